@@ -1,0 +1,30 @@
+"""A plain multi-layer perceptron: the cheapest model whose stages can be split anywhere."""
+from __future__ import annotations
+
+from functools import partial
+
+from staticpipe._paddle import paddle
+
+from .network import Block, Network, Variable, build_classifier
+
+
+def _dense(x: Variable, size: int, act: str | None) -> Variable:
+    return paddle.static.nn.fc(x, size, activation=act)
+
+
+def build_mlp(
+    num_stages: int = 2,
+    guarded: bool = True,
+    in_dim: int = 64,
+    hidden: int = 256,
+    depth: int = 4,
+    num_classes: int = 10,
+    seed: int = 1,
+) -> Network:
+    """``depth`` Linear+ReLU layers of width ``hidden``, then a Linear to ``num_classes`` logits.
+
+    The ``depth + 1`` layers are the units split over stages; the input feed is named "features".
+    """
+    blocks: list[Block] = [partial(_dense, size=hidden, act="relu") for _ in range(depth)]
+    blocks.append(partial(_dense, size=num_classes, act=None))
+    return build_classifier(blocks, [in_dim], num_stages, guarded, seed, input_name="features")

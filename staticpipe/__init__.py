@@ -1,0 +1,12 @@
+"""staticpipe: pipeline-parallel training of PaddlePaddle static-graph programs.
+
+build (device_guard) -> rewrite (PipelineOptimizer, Plan) -> schedule (action lists) -> run (Executor).
+"""
+from . import io, schedule
+from .optimizer import PipelineOptimizer
+from .placement import Device, device_guard, parse_device
+from .plan import Plan
+from .runtime import Executor, StageError, plan_of
+
+__all__ = ["Device", "device_guard", "parse_device", "PipelineOptimizer", "Plan", "Executor", "StageError",
+           "plan_of", "io", "schedule"]

@@ -1,0 +1,47 @@
+"""``PipelineOptimizer``: the user-facing wrapper that differentiates, optimizes, then rewrites.
+
+It adds backward and optimizer ops through the wrapped Paddle optimizer, exactly as single-device
+training would, so the main program stays a valid single-device program (the reference); the pipeline
+``Plan`` is built from it by pure passes and attached to the main and startup programs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ._paddle import framework, paddle
+from .plan import Plan
+from .rewrite import build_plan
+from .runtime.executor import PLAN_ATTR
+from .schedule import canonical_name, check_microbatches
+
+
+class PipelineOptimizer:
+    """Wrap ``optimizer``; ``minimize`` splits the program into stages by its ``device_guard`` tags.
+
+    ``num_microbatches``: micro-batches per global batch (gradients are accumulated over them).
+    ``schedule``: "1F1B", or "F-then-B" (aliases "FThenB", "GPipe").
+    ``micro_batch_size``: fixes the batch dimension of cut variables at rewrite time; otherwise it is
+    fixed by the first batch.
+    """
+
+    def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str = "1F1B",
+                 micro_batch_size: int | None = None):
+        if not hasattr(optimizer, "minimize"):
+            raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, got {type(optimizer).__name__}")
+        self.inner = optimizer
+        self.num_microbatches = check_microbatches(num_microbatches)
+        self.schedule = canonical_name(schedule)
+        self.micro_batch_size = micro_batch_size
+        self.plan: Plan | None = None
+
+    def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
+                 parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:
+        program = loss.block.program
+        startup = startup_program or paddle.static.default_startup_program()
+        result = self.inner.minimize(loss, startup_program=startup, parameters=parameters,
+                                     no_grad_set=no_grad_set)
+        self.plan = build_plan(program, loss.name, self.num_microbatches, self.schedule, self.micro_batch_size)
+        setattr(program, PLAN_ATTR, self.plan)
+        setattr(startup, PLAN_ATTR, self.plan)
+        startup._staticpipe_is_startup = True
+        return result

@@ -1,0 +1,41 @@
+"""Graph passes from a differentiated Paddle program to a pipeline ``Plan``. They execute nothing.
+
+``build_plan`` = ``assign_stages`` (which stage runs each op) → ``build_sections`` (per-stage programs
+with send/recv ops and gradient accumulation) → schedule action lists lowered with the routes.
+"""
+from __future__ import annotations
+
+from .._paddle import framework
+from ..plan import Plan
+from ..schedule import canonical_name, check_microbatches, lower, make_schedule
+from .programs import np_dtype, without_comm_ops
+from .sections import MERGED_SUFFIX, build_sections
+from .stages import assign_stages
+
+
+def build_plan(program: framework.Program, loss_name: str, num_microbatches: int = 1,
+               schedule: str = "1F1B", micro_batch_size: int | None = None) -> Plan:
+    """Split ``program`` (forward, backward and optimizer ops, tagged by ``device_guard``) into a Plan."""
+    check_microbatches(num_microbatches)
+    schedule = canonical_name(schedule)
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
+    assignment = assign_stages(program)
+    stages, routes, data_vars, producers = build_sections(program, assignment, num_microbatches, micro_batch_size)
+    block = program.global_block()
+    data_specs = {}
+    for name in data_vars:
+        var = block.var(name)
+        shape = tuple(int(d) for d in var.shape)
+        if num_microbatches > 1 and (not shape or shape[0] != -1):
+            raise ValueError(f"data variable '{name}' has shape {list(shape)} with a fixed batch dimension; "
+                             f"declare it with None as dim 0 so it can be split into {num_microbatches} "
+                             "micro-batches")
+        data_specs[name] = (shape, np_dtype(var))
+    actions = lower(make_schedule(schedule, len(stages), num_microbatches), routes)
+    return Plan(stages=stages, routes=routes, num_microbatches=num_microbatches, schedule=schedule,
+                actions=actions, data_vars=data_vars, data_specs=data_specs, loss=loss_name, producers=producers,
+                micro_batch_size=micro_batch_size)
+
+
+__all__ = ["build_plan", "assign_stages", "build_sections", "without_comm_ops", "MERGED_SUFFIX"]

@@ -1,0 +1,246 @@
+"""Build per-stage sections and the routes between them. A pure pass: program in, plan pieces out.
+
+For every stage, four programs:
+- forward: the stage's forward ops for one micro-batch, ``recv_v2`` ops first, ``send_v2`` ops last;
+- backward: its backward ops for one micro-batch; the loss gradient is scaled by 1/M and every
+  parameter gradient is added into a persistable ``<grad>@MERGED`` buffer, so that after M micro-batches
+  the buffer holds the full-batch gradient;
+- optimize: learning-rate ops, then the optimizer ops reading the merged gradients, then a reset of the
+  buffers to zero; runs once per step;
+- init: zero-fills the buffers once, after the startup program.
+
+A variable read by a section but produced by another stage's section becomes a cut variable on a route
+between the two sections; data variables are fed straight to every stage that reads them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .._paddle import OP_DEVICE, OP_ROLE, OP_ROLE_VAR, ROLE_BACKWARD, ROLE_LOSS, ROLE_OPTIMIZE, core, framework, paddle
+from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, CutVar, Route, Section, SectionRef, Stage
+from .programs import EMPTY_VAR, append_comm_op, copy_ops, declare_var, np_dtype
+from .stages import BWD, FWD, LR, OPT, StageAssignment, op_label
+
+MERGED_SUFFIX = "@MERGED"
+
+
+@dataclass
+class SectionOps:
+    """Analysis of one per-micro-batch section before its program is built."""
+
+    ref: SectionRef
+    ops: list[int]
+    reads: list[str] = field(default_factory=list)  # read before written in this section, in order
+    writes: set[str] = field(default_factory=set)
+    feeds: list[str] = field(default_factory=list)
+    keep: set[str] = field(default_factory=set)
+
+
+def _names(names: list[str]) -> list[str]:
+    return [n for n in names if n and n != EMPTY_VAR]
+
+
+def _analyse(block: framework.Block, ref: SectionRef, ops: list[int]) -> SectionOps:
+    sec = SectionOps(ref, ops)
+    for i in ops:
+        op = block.ops[i]
+        for name in _names(op.input_arg_names):
+            if name not in sec.writes and name not in sec.reads and not block._var_recursive(name).persistable:
+                sec.reads.append(name)
+        sec.writes.update(n for n in _names(op.output_arg_names) if not block._var_recursive(n).persistable)
+    return sec
+
+
+def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str, str]:
+    """parameter -> gradient name, from the optimizer ops' ``op_role_var`` pairs."""
+    pairs: dict[str, str] = {}
+    for i, op in enumerate(block.ops):
+        if assignment.role[i] == OPT and op.has_attr(OP_ROLE_VAR):
+            rv = op.attr(OP_ROLE_VAR)
+            for p, g in zip(rv[0::2], rv[1::2]):
+                pairs[p] = g
+    return pairs
+
+
+def build_sections(program: framework.Program, assignment: StageAssignment, num_microbatches: int,
+                   micro_batch_size: int | None) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]],
+                                                       dict[str, SectionRef]]:
+    """Return (stages, routes, data variable -> stages that read it, per-micro-batch var -> producer)."""
+    block = program.global_block()
+    p = len(assignment.devices)
+    by_section: dict[SectionRef, list[int]] = defaultdict(list)
+    opt_ops: dict[int, list[int]] = defaultdict(list)
+    lr_ops: list[int] = []
+    for i, role in enumerate(assignment.role):
+        if role == FWD:
+            by_section[SectionRef(assignment.stage[i], FORWARD)].append(i)
+        elif role == BWD:
+            by_section[SectionRef(assignment.stage[i], BACKWARD)].append(i)
+        elif role == OPT:
+            opt_ops[assignment.stage[i]].append(i)
+        elif role == LR:
+            lr_ops.append(i)
+
+    order = sorted((SectionRef(s, k) for s in range(p) for k in (FORWARD, BACKWARD)),
+                   key=lambda r: r.order(p))
+    secs = {ref: _analyse(block, ref, by_section.get(ref, [])) for ref in order}
+
+    producer: dict[str, SectionRef] = {}
+    for ref in order:
+        for name in secs[ref].writes:
+            other = producer.setdefault(name, ref)
+            if other.stage != ref.stage:
+                raise ValueError(f"variable '{name}' is written on {other} and on {ref}; a variable may be "
+                                 "produced on one stage only")
+
+    data_vars: dict[str, list[int]] = defaultdict(list)
+    route_vars: dict[tuple[SectionRef, SectionRef], list[str]] = defaultdict(list)
+    received: dict[int, set[str]] = defaultdict(set)  # stage -> values its forward receives or is fed
+    for ref in order:
+        sec = secs[ref]
+        fwd = secs[SectionRef(ref.stage, FORWARD)]
+        for name in sec.reads:
+            var = block._var_recursive(name)
+            src = producer.get(name)
+            if getattr(var, "is_data", False) and src is None:
+                if ref.stage not in data_vars[name]:
+                    data_vars[name].append(ref.stage)
+                    fwd.feeds.append(name)
+                received[ref.stage].add(name)
+                if ref.kind == BACKWARD:
+                    fwd.keep.add(name)
+            elif src is None:
+                raise ValueError(f"variable '{name}' read on {ref} is never produced: it is not a data "
+                                 "variable, a parameter or the output of an earlier op")
+            elif src == ref:
+                raise ValueError(f"variable '{name}' is read on {ref} before the op that writes it")
+            elif src.stage == ref.stage or name in received[ref.stage]:
+                fwd.keep.add(name)  # produced by, or delivered to, this stage's forward
+            elif src.order(p) > ref.order(p):
+                i = next(j for j in sec.ops if name in block.ops[j].input_arg_names)
+                raise ValueError(f"{op_label(i, block.ops[i])} on {ref} reads '{name}', which {src} produces "
+                                 "later in the micro-batch's path: data may only flow forward through the "
+                                 "stages and gradients backward")
+            else:
+                route_vars[(src, ref)].append(name)
+                secs[src].keep.add(name)
+                if ref.kind == FORWARD:
+                    received[ref.stage].add(name)
+
+    routes = [Route(k, src, dst, tuple(_cut_var(block, n) for n in names))
+              for k, ((src, dst), names) in enumerate(sorted(route_vars.items(),
+                                                             key=lambda kv: (kv[0][0].order(p), kv[0][1].order(p))))]
+    grads = param_grads(block, assignment)
+    stages = []
+    for s, device in enumerate(assignment.devices):
+        stage_grads = {g: p_ for p_, g in grads.items() if assignment.param_stage.get(p_) == s}
+        stage = Stage(index=s, device=device)
+        stage.sections[FORWARD] = _per_microbatch_section(
+            block, secs[SectionRef(s, FORWARD)], routes, device, micro_batch_size, {}, num_microbatches)
+        stage.sections[BACKWARD] = _per_microbatch_section(
+            block, secs[SectionRef(s, BACKWARD)], routes, device, micro_batch_size, stage_grads,
+            num_microbatches)
+        stage.sections[OPTIMIZE] = _optimize_section(block, s, device, lr_ops + opt_ops[s], stage_grads)
+        stage.sections[INIT] = _init_section(block, s, device, stage_grads)
+        stage.parameters = tuple(n for n, st in assignment.param_stage.items() if st == s)
+        stage.grad_buffers = tuple(g + MERGED_SUFFIX for g in stage_grads)
+        stage.persistables = tuple(sorted({
+            v.name for sec in stage.sections.values() for v in sec.program.list_vars()
+            if v.persistable and v.name not in stage_grads}))
+        stages.append(stage)
+    return stages, routes, {k: tuple(v) for k, v in data_vars.items()}, producer
+
+
+def _cut_var(block: framework.Block, name: str) -> CutVar:
+    var = block._var_recursive(name)
+    if var.type != core.VarDesc.VarType.LOD_TENSOR:
+        raise ValueError(f"variable '{name}' crosses a stage boundary but is a {var.type}, not a dense tensor; "
+                         "move the ops that use it onto one stage")
+    shape = tuple(int(d) for d in var.shape)
+    return CutVar(name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
+
+
+def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: list[Route], device: str,
+                            micro_batch_size: int | None, stage_grads: dict[str, str],
+                            num_microbatches: int) -> Section:
+    role = ROLE_BACKWARD if sec.ref.kind == BACKWARD else 0
+    prog = paddle.static.Program()
+    dst = prog.global_block()
+    recvs = [r for r in routes if r.dst == sec.ref]
+    sends = [r for r in routes if r.src == sec.ref]
+    for r in recvs:
+        for v in r.vars:
+            declare_var(dst, block._var_recursive(v.name))
+            append_comm_op(dst, "recv_v2", v, r.src.stage, device, role, micro_batch_size)
+
+    def scale_loss_grad(desc: core.OpDesc) -> None:
+        if (desc.has_attr(OP_ROLE) and desc.attr(OP_ROLE) == ROLE_BACKWARD | ROLE_LOSS
+                and desc.type() == "fill_constant" and num_microbatches > 1):
+            value = desc.attr("value") / num_microbatches
+            desc._set_attr("value", value)
+            if desc.has_attr("str_value") and desc.attr("str_value"):
+                desc._set_attr("str_value", repr(value))
+
+    produced = set()
+    for i in sec.ops:
+        produced.update(block.ops[i].output_arg_names)
+    grads_here = [g for g in stage_grads if g in produced]
+    copy_ops(dst, block, sec.ops, edit=scale_loss_grad, persistable=set(grads_here))
+    for g in grads_here:  # accumulate: g@MERGED += g
+        merged = _declare_merged(dst, block, g)
+        dst.append_op(type="elementwise_add", inputs={"X": [merged], "Y": [g]}, outputs={"Out": [merged]},
+                      attrs={"axis": -1, OP_DEVICE: device, OP_ROLE: ROLE_BACKWARD})
+    for r in sends:
+        for v in r.vars:
+            append_comm_op(dst, "send_v2", v, r.dst.stage, device, role, micro_batch_size)
+    return Section(sec.ref.stage, sec.ref.kind, prog, feeds=tuple(sec.feeds), keep=tuple(sorted(sec.keep)),
+                   recv_routes=tuple(r.index for r in recvs), send_routes=tuple(r.index for r in sends))
+
+
+def _declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> str:
+    name = grad + MERGED_SUFFIX
+    if not dst.has_var(name):
+        g = src._var_recursive(grad)
+        dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=True, stop_gradient=True)
+    return name
+
+
+def _optimize_section(block: framework.Block, stage: int, device: str, ops: list[int],
+                      stage_grads: dict[str, str]) -> Section:
+    prog = paddle.static.Program()
+    dst = prog.global_block()
+    for g in stage_grads:
+        _declare_merged(dst, block, g)
+
+    def read_merged(desc: core.OpDesc) -> None:
+        for g in stage_grads:
+            desc._rename_input(g, g + MERGED_SUFFIX)
+            desc._rename_output(g, g + MERGED_SUFFIX)
+
+    copy_ops(dst, block, sorted(ops), edit=read_merged)
+    for i in sorted(ops):
+        for name in _names(block.ops[i].input_arg_names):
+            var = block._var_recursive(name)
+            if not var.persistable and name not in stage_grads and not any(
+                    name in block.ops[j].output_arg_names for j in ops if j < i):
+                raise ValueError(f"optimizer {op_label(i, block.ops[i])} on stage {stage} reads '{name}', "
+                                 "which is neither state of this stage nor computed by its optimizer ops")
+    for g in stage_grads:
+        _zero_fill(dst, g + MERGED_SUFFIX, device, ROLE_OPTIMIZE)
+    return Section(stage, OPTIMIZE, prog)
+
+
+def _init_section(block: framework.Block, stage: int, device: str, stage_grads: dict[str, str]) -> Section:
+    prog = paddle.static.Program()
+    dst = prog.global_block()
+    for g in stage_grads:
+        _zero_fill(dst, _declare_merged(dst, block, g), device, ROLE_OPTIMIZE)
+    return Section(stage, INIT, prog)
+
+
+def _zero_fill(dst: framework.Block, name: str, device: str, role: int) -> None:
+    var = dst.var(name)
+    dst.append_op(type="fill_constant", outputs={"Out": [name]},
+                  attrs={"shape": list(var.shape), "dtype": var.dtype, "value": 0.0,
+                         OP_DEVICE: device, OP_ROLE: role})

@@ -1,0 +1,165 @@
+"""Stage assignment: which stage runs each op of a differentiated program. A pure analysis.
+
+Rules, in order:
+- forward ops take the stage of their ``op_device`` guard; stages are numbered by the first forward op
+  of each device;
+- a forward op with no guard joins the latest stage among the producers of its inputs; one whose inputs
+  are only data, parameters or constants joins the earliest stage that consumes its outputs; anything
+  left goes to stage 0;
+- backward ops take their guard (Paddle copies the forward op's device) or, without one, the stage of the
+  forward op whose gradient they compute;
+- optimizer and regularization ops take the stage of their parameter (``op_role_var``); learning-rate
+  ops run on every stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._paddle import (GRAD_SUFFIX, OP_DEVICE, OP_ROLE, OP_ROLE_VAR, ROLE_BACKWARD, ROLE_LRSCHED,
+                       ROLE_OPTIMIZE, framework)
+from ..placement import parse_device
+
+FWD, BWD, OPT, LR = "forward", "backward", "optimize", "lr"
+DEFAULT_DEVICE = "gpu:0"
+
+
+@dataclass
+class StageAssignment:
+    devices: list[str]  # stage -> device
+    role: list[str]  # op index -> FWD/BWD/OPT/LR
+    stage: list[int | None]  # op index -> stage (None for LR ops, which run on every stage)
+    param_stage: dict[str, int]  # parameter -> the stage of the forward ops that read it
+
+
+def op_label(i: int, op: framework.Operator) -> str:
+    return f"op #{i} '{op.type}'"
+
+
+def role_of(op: framework.Operator, i: int) -> str:
+    role = int(op.attr(OP_ROLE)) if op.has_attr(OP_ROLE) else 0
+    if role & ROLE_LRSCHED:
+        return LR
+    if role & ROLE_OPTIMIZE:
+        return OPT
+    if role & ROLE_BACKWARD:
+        return BWD
+    if role & ~0x100:  # anything but Forward / Loss
+        raise ValueError(f"{op_label(i, op)} has op_role {role}, which staticpipe cannot place "
+                         "(RPC and distributed ops are not supported)")
+    return FWD
+
+
+def grad_base(name: str) -> str | None:
+    """``x`` for ``x@GRAD`` and ``x@GRAD@RENAME@...``; None for a non-gradient name."""
+    pos = name.find(GRAD_SUFFIX)
+    return name[:pos] if pos > 0 else None
+
+
+def _device(op: framework.Operator) -> str | None:
+    dev = op.attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
+    return str(parse_device(dev)) if dev else None
+
+
+def assign_stages(program: framework.Program) -> StageAssignment:
+    block = program.global_block()
+    ops = list(block.ops)
+    for i, op in enumerate(ops):
+        if op.has_attr("sub_block"):
+            raise ValueError(f"{op_label(i, op)} has a sub-block (control flow); staticpipe cannot split "
+                             "control-flow ops across stages yet")
+    roles = [role_of(op, i) for i, op in enumerate(ops)]
+    fwd = [i for i, r in enumerate(roles) if r == FWD]
+
+    devices: list[str] = []
+    stage: list[int | None] = [None] * len(ops)
+    for i in fwd:
+        dev = _device(ops[i])
+        if dev is not None:
+            if dev not in devices:
+                devices.append(dev)
+            stage[i] = devices.index(dev)
+    if not devices:
+        devices = [DEFAULT_DEVICE]
+
+    producer: dict[str, int] = {}  # forward var -> producing op index
+    for i in fwd:
+        for name in ops[i].output_arg_names:
+            producer.setdefault(name, i)
+
+    # unguarded forward ops: producer rule forward, consumer rule backward, then stage 0
+    for i in fwd:
+        if stage[i] is None:
+            ins = [stage[producer[n]] for n in ops[i].input_arg_names if n in producer and producer[n] != i]
+            ins = [s for s in ins if s is not None]
+            if ins:
+                stage[i] = max(ins)
+    for i in reversed(fwd):
+        if stage[i] is None:
+            outs = set(ops[i].output_arg_names)
+            cons = [stage[j] for j in fwd if j > i and stage[j] is not None
+                    and outs.intersection(ops[j].input_arg_names)]
+            stage[i] = min(cons) if cons else 0
+
+    # forward data may only flow to later stages
+    for i in fwd:
+        for name in ops[i].input_arg_names:
+            j = producer.get(name)
+            if j is not None and j != i and stage[j] > stage[i]:
+                raise ValueError(
+                    f"{op_label(i, ops[i])} on stage {stage[i]} ({devices[stage[i]]}) reads variable "
+                    f"'{name}' produced on the later stage {stage[j]} ({devices[stage[j]]}) by "
+                    f"{op_label(j, ops[j])}: forward data may only flow to later stages; "
+                    "move the op into a later device_guard or reorder the guards")
+
+    param_names = {p.name for p in block.all_parameters()}
+    param_stage: dict[str, int] = {}
+    for i in fwd:
+        for name in ops[i].input_arg_names:
+            if name in param_names:
+                prev = param_stage.setdefault(name, stage[i])
+                if prev != stage[i]:
+                    raise ValueError(
+                        f"parameter '{name}' is read on stage {prev} ({devices[prev]}) and by "
+                        f"{op_label(i, ops[i])} on stage {stage[i]} ({devices[stage[i]]}); parameters "
+                        "shared across stages are not supported yet")
+
+    for i, op in enumerate(ops):
+        if roles[i] == BWD:
+            stage[i] = _backward_stage(i, op, devices, producer, stage, param_stage)
+        elif roles[i] == OPT:
+            stage[i] = _optimize_stage(i, op, devices, param_stage)
+    return StageAssignment(devices, roles, stage, param_stage)
+
+
+def _backward_stage(i: int, op: framework.Operator, devices: list[str], producer: dict[str, int],
+                    stage: list[int | None], param_stage: dict[str, int]) -> int:
+    dev = _device(op)
+    if dev is not None:
+        if dev not in devices:
+            raise ValueError(f"backward {op_label(i, op)} is on device {dev}, which runs no forward op")
+        return devices.index(dev)
+    # the gradient of forward op O reads O's output gradients: O's stage is the latest such producer
+    cands = []
+    for name in op.input_arg_names + op.output_arg_names:
+        base = grad_base(name)
+        if base in producer:
+            cands.append(stage[producer[base]])
+        elif base in param_stage:
+            cands.append(param_stage[base])
+    if not cands:
+        raise ValueError(f"backward {op_label(i, op)} has no device and computes no gradient of a forward "
+                         "variable; staticpipe cannot tell which stage runs it")
+    return max(cands)
+
+
+def _optimize_stage(i: int, op: framework.Operator, devices: list[str], param_stage: dict[str, int]) -> int:
+    role_var = op.attr(OP_ROLE_VAR) if op.has_attr(OP_ROLE_VAR) else []
+    if role_var and role_var[0] in param_stage:
+        return param_stage[role_var[0]]
+    dev = _device(op)
+    if dev is not None and dev in devices:
+        return devices.index(dev)
+    raise ValueError(
+        f"optimizer {op_label(i, op)} belongs to no parameter and has no device (inputs "
+        f"{op.input_arg_names}); ops that combine gradients of several stages, such as "
+        "ClipGradByGlobalNorm, are not supported yet")

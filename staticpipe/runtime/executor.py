@@ -1,0 +1,283 @@
+"""``staticpipe.Executor``: runs startup programs, unsplit programs and pipelined training steps.
+
+One ``DeviceWorker`` per device, each with its own root scope, place and worker thread (whose intra-op
+thread budget is set once). A training step splits the batch into micro-batches, hands every worker its
+action list, and waits; the first stage to fail aborts the channel so that every other worker stops at
+its next receive, and the step raises that stage's error.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from typing import Any, Iterable, Sequence
+
+from .._paddle import core, framework, np, paddle
+from ..io import FeedSpec, split_microbatches
+from ..plan import FORWARD, Plan
+from .channel import Channel, InProcessChannel, PipelineAborted
+from .places import place_of
+from .progress import Progress
+from .worker import DeviceWorker, StageError, StepJob, StepResult
+
+log = logging.getLogger("staticpipe")
+PLAN_ATTR = "_staticpipe_plan"
+
+
+def plan_of(program: framework.Program) -> Plan | None:
+    return getattr(program, PLAN_ATTR, None)
+
+
+def _names(fetch_list: Sequence | None) -> list[str]:
+    return [v if isinstance(v, str) else v.name for v in (fetch_list or [])]
+
+
+class Executor:
+    """Pipeline executor with the calls of ``paddle.static.Executor`` that training needs.
+
+    ``place`` is where unsplit programs run (default: GPU 0 with CUDA, else CPU). ``threads_per_stage``
+    is each CPU stage worker's intra-op thread budget.
+    """
+
+    def __init__(self, place: Any = None, threads_per_stage: int = 1):
+        if not isinstance(threads_per_stage, int) or threads_per_stage < 1:
+            raise ValueError(f"threads_per_stage must be an integer >= 1, got {threads_per_stage!r}")
+        self.place = place if place is not None else place_of("gpu:0")
+        self.threads_per_stage = threads_per_stage
+        self._plain = paddle.static.Executor(self.place)
+        self._plain_scope = core.Scope()
+        self._workers: dict[str, DeviceWorker] = {}
+        self._threads: dict[str, cf.ThreadPoolExecutor] = {}
+        self._channel: Channel = InProcessChannel()
+        self.step_records: list[tuple] | None = None  # (action, device, start, end) when tracing
+
+    # --- devices ------------------------------------------------------------------------------------
+    def worker(self, device: str) -> DeviceWorker:
+        w = self._workers.get(device)
+        if w is None:
+            w = self._workers[device] = DeviceWorker(device, place_of(device), core.Scope())
+            self._threads[device] = cf.ThreadPoolExecutor(
+                1, thread_name_prefix=f"staticpipe-{device}", initializer=core.set_num_threads,
+                initargs=(self.threads_per_stage,))
+        return w
+
+    def scope_of(self, device: str) -> core._Scope:
+        """The root scope holding the parameters and optimizer state of the stages on ``device``."""
+        return self.worker(device).scope
+
+    def close(self) -> None:
+        for pool in self._threads.values():
+            pool.shutdown(wait=True)
+        self._threads.clear()
+        self._workers.clear()
+
+    # --- run ----------------------------------------------------------------------------------------
+    def run(self, program: framework.Program | None = None, feed: dict | None = None,
+            fetch_list: Sequence | None = None, return_numpy: bool = True) -> list:
+        """Run ``program`` once.
+
+        - a startup program of a pipelined program: initialise once on the host, then give each stage
+          its parameters and state on its own place;
+        - a pipelined main program: one training step on the global batch ``feed``;
+        - any other program: plain Paddle execution on ``place``.
+        """
+        program = program if program is not None else paddle.static.default_main_program()
+        plan = plan_of(program)
+        if plan is not None and getattr(program, "_staticpipe_is_startup", False):
+            self._run_startup(program, plan)
+            return []
+        if plan is not None:
+            return self._step(plan, feed or {}, _names(fetch_list))
+        return self._plain.run(program, feed=feed, fetch_list=fetch_list, scope=self._plain_scope,
+                               return_numpy=return_numpy)
+
+    def _run_startup(self, startup: framework.Program, plan: Plan) -> None:
+        host = core.Scope()
+        paddle.static.Executor(core.CPUPlace()).run(startup, scope=host)
+        for stage in plan.stages:
+            worker = self.worker(stage.device)
+            for name in stage.persistables:
+                var = host.find_var(name)
+                if var is not None and var.get_tensor()._is_initialized():
+                    worker.scope.var(name).get_tensor().set(np.array(var.get_tensor()), worker.place)
+            worker.init_stage(plan, stage.index)
+
+    # --- training -----------------------------------------------------------------------------------
+    def _step(self, plan: Plan, batch: dict, fetch: list[str]) -> list[np.ndarray]:
+        missing = [n for n in plan.data_vars if n not in batch]
+        extra = [n for n in batch if n not in plan.data_vars]
+        if missing or extra:
+            raise ValueError(f"feed does not match the program's data variables: missing {missing}, "
+                             f"unknown {extra}; expected {sorted(plan.data_vars)}")
+        batch = {n: FeedSpec(n, *_spec(plan, n)).convert(v) for n, v in batch.items()}
+        micro = split_microbatches(batch, plan.num_microbatches)
+        plan.bind_micro_batch_size(len(next(iter(micro[0].values()))))
+        feeds = {s: [{n: mb[n] for n in st.sections[FORWARD].feeds} for mb in micro]
+                 for s, st in enumerate(plan.stages)}
+        where, persist = self._locate_fetches(plan, fetch)
+        fetched = self._run_actions(plan, feeds, where)
+        out = []
+        for name in fetch:
+            if name in persist:
+                out.append(np.array(self.scope_of(plan.stages[persist[name]].device).find_var(name).get_tensor()))
+            else:
+                out.append(_combine(plan, name, fetched[name]))
+        return out
+
+    def _locate_fetches(self, plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
+        where: dict[tuple[int, str], tuple[str, ...]] = {}
+        persist: dict[str, int] = {}
+        for name in fetch:
+            ref = plan.producers.get(name)
+            if ref is not None:
+                where[(ref.stage, ref.kind)] = where.get((ref.stage, ref.kind), ()) + (name,)
+            elif plan.stage_of_var(name):
+                persist[name] = plan.stage_of_var(name)[0]
+            else:
+                raise ValueError(f"cannot fetch '{name}': it is not computed by the pipelined program nor "
+                                 "part of any stage's state")
+        return where, persist
+
+    def _run_actions(self, plan: Plan, feeds: dict, fetch: dict) -> dict[str, list[np.ndarray]]:
+        places = {s.index: self.worker(s.device).place for s in plan.stages}
+        by_device: dict[str, list] = {}
+        for stage in plan.stages:
+            by_device.setdefault(stage.device, []).extend(plan.actions[stage.index])
+        self._channel.reset()
+        record = self._recorder()
+        futures = {}
+        for device, actions in by_device.items():
+            job = StepJob(plan, actions, feeds, fetch, self._channel, places, record)
+            futures[self._threads[device].submit(self.worker(device).run_step, job)] = device
+        results = self._wait(futures)
+        fetched: dict[str, list[np.ndarray]] = {}
+        for r in results:
+            fetched.update(r.fetched)
+        return fetched
+
+    def _wait(self, futures: dict) -> list[StepResult]:
+        """Wait for every worker; on the first failure abort the rest and raise that stage's error."""
+        pending = set(futures)
+        failure: BaseException | None = None
+        try:
+            while pending:
+                done, pending = cf.wait(pending, timeout=0.1, return_when=cf.FIRST_EXCEPTION)
+                for f in done:
+                    exc = f.exception()
+                    if exc is not None and not isinstance(exc, PipelineAborted) and failure is None:
+                        failure = exc
+                        self._channel.abort(str(exc))
+        except BaseException:  # KeyboardInterrupt: stop every worker at its next receive, then re-raise
+            self._channel.abort("interrupted")
+            cf.wait(pending)
+            raise
+        if failure is None:
+            aborted = [f.exception() for f in futures if f.exception() is not None]
+            if aborted:
+                failure = aborted[0]
+        if failure is not None:
+            raise failure
+        return [f.result() for f in futures]
+
+    def _recorder(self):
+        if self.step_records is None:
+            return None
+        records = self.step_records
+        return lambda action, start, end: records.append((action, start, end))
+
+    def train_from_dataset(self, program: framework.Program, dataset: Any = None, scope: Any = None,
+                           thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,
+                           fetch_info: Sequence[str] | None = None, print_period: int = 100) -> list[list]:
+        """Train ``program`` on one epoch of ``dataset`` (a ``staticpipe.io.DataLoader``).
+
+        Returns the fetched values of every step (a list per step, in ``fetch_list`` order). ``thread``
+        is accepted for Paddle compatibility (each stage has its own worker already); ``scope`` must be
+        None because parameters live in one scope per device (see ``scope_of``). With ``debug`` every
+        step's per-stage busy time is logged.
+        """
+        plan = plan_of(program)
+        if plan is None:
+            raise ValueError("train_from_dataset needs a program rewritten by staticpipe.PipelineOptimizer"
+                             ".minimize; this program has no pipeline plan")
+        if dataset is None or not hasattr(dataset, "epoch"):
+            raise ValueError("dataset must be a staticpipe.io.DataLoader (from_generator) with a generator set")
+        if scope is not None:
+            raise ValueError("scope must be None: staticpipe keeps one scope per device "
+                             "(Executor.scope_of(device))")
+        names = _names(fetch_list)
+        labels = list(fetch_info) if fetch_info else names
+        if len(labels) != len(names):
+            raise ValueError(f"fetch_info has {len(labels)} names for {len(names)} fetch_list entries")
+        history: list[list] = []
+        if debug and self.step_records is None:
+            self.step_records = []
+        with Progress(labels, print_period) as progress:
+            for batch in dataset.epoch():
+                started = time.perf_counter()
+                if debug:
+                    self.step_records.clear()
+                values = self._step(plan, batch, names)
+                history.append(values)
+                progress.update(len(next(iter(batch.values()))), values, time.perf_counter() - started)
+                if debug:
+                    log.info("step %d busy seconds per stage: %s", len(history), self.busy_time())
+        return history
+
+    def busy_time(self) -> dict[int, float]:
+        """Seconds each stage spent in compute actions during the last recorded step."""
+        busy: dict[int, float] = {}
+        for action, start, end in self.step_records or []:
+            if action.kind.value in ("F", "B", "OPT"):
+                busy[action.stage] = busy.get(action.stage, 0.0) + end - start
+        return busy
+
+    # --- state --------------------------------------------------------------------------------------
+    def state_dict(self, program: framework.Program) -> dict[str, np.ndarray]:
+        """Every parameter and optimizer state of ``program``, gathered from the stages that hold them."""
+        plan = plan_of(program)
+        if plan is None:
+            return {v.name: np.array(self._plain_scope.find_var(v.name).get_tensor())
+                    for v in program.list_vars() if v.persistable and self._plain_scope.find_var(v.name)
+                    and self._plain_scope.find_var(v.name).get_tensor()._is_initialized()}
+        state = {}
+        for stage in plan.stages:
+            scope = self.scope_of(stage.device)
+            for name in stage.persistables:
+                var = scope.find_var(name)
+                if name not in stage.grad_buffers and var is not None and var.get_tensor()._is_initialized():
+                    state.setdefault(name, np.array(var.get_tensor()))
+        return state
+
+    def set_state_dict(self, program: framework.Program, state: dict[str, Any]) -> None:
+        """Write ``state`` (name -> array) into every stage that holds each name."""
+        plan = plan_of(program)
+        if plan is None:
+            for name, value in state.items():
+                self._plain_scope.var(name).get_tensor().set(np.asarray(value), self.place)
+            return
+        unknown = [n for n in state if not plan.stage_of_var(n)]
+        if unknown:
+            raise KeyError(f"set_state_dict: no stage holds {unknown}")
+        for name, value in state.items():
+            for s in plan.stage_of_var(name):
+                worker = self.worker(plan.stages[s].device)
+                worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
+
+
+def _spec(plan: Plan, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    shape, dtype = plan.data_specs[name]
+    return shape, np.dtype(dtype)
+
+
+def _combine(plan: Plan, name: str, values: list[np.ndarray]) -> np.ndarray:
+    """Per-micro-batch values of one step as one value: batched values (dim 0 is -1 in the program) are
+    concatenated; others (mean losses, metrics) are averaged, which equals the full-batch value of a
+    mean over the batch."""
+    ref = plan.producers[name]
+    shape = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name).shape
+    if len(shape) > 0 and shape[0] == -1:
+        return np.concatenate(values, axis=0)
+    return np.mean(np.stack(values), axis=0).astype(values[0].dtype)
+
+
+__all__ = ["Executor", "StageError", "plan_of", "PLAN_ATTR"]

@@ -1,0 +1,156 @@
+"""A stage worker: executes one device's action list for one training step.
+
+Why this shape: Paddle's ``Executor.run`` frees every non-persistable variable when a run ends, so a
+forward's activations could not wait for their backward. The worker therefore runs sections through
+the lower-level prepared-context executor in a scope per in-flight micro-batch, telling the garbage
+collector to spare exactly the values later sections need (the plan's ``keep`` lists). Gradient and
+optimizer state live in the device's root scope, shared by all micro-batch scopes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .._paddle import core, np, paddle
+from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, Plan
+from ..rewrite import without_comm_ops
+from ..schedule import Action, Kind
+from .channel import Channel
+from .places import generic_place
+
+convert_dtype = paddle.base.data_feeder.convert_dtype
+SECTION_OF = {Kind.F: FORWARD, Kind.B: BACKWARD}
+
+
+class StageError(RuntimeError):
+    """A stage failed; names the stage, its device and the action. ``__cause__`` is the original error."""
+
+    def __init__(self, stage: int, device: str, action: Action | str, error: BaseException):
+        self.stage, self.device, self.action = stage, device, action
+        super().__init__(f"stage {stage} ({device}) failed in action {action}: "
+                         f"{type(error).__name__}: {error}")
+
+
+@dataclass
+class StepJob:
+    plan: Plan
+    actions: list[Action]
+    feeds: dict[int, list[dict[str, np.ndarray]]]  # stage -> per micro-batch data
+    fetch: dict[tuple[int, str], tuple[str, ...]]  # (stage, section kind) -> names to fetch per micro-batch
+    channel: Channel
+    places: dict[int, core.Place]  # stage -> place, for the receivers of sends
+    record: Callable[[Action, float, float], None] | None = None
+
+
+@dataclass
+class StepResult:
+    fetched: dict[str, list[np.ndarray]] = field(default_factory=dict)
+
+
+class DeviceWorker:
+    """State of one device: its root scope, place, executor and prepared sections."""
+
+    def __init__(self, device: str, place: core.Place, scope: core._Scope):
+        self.device, self.place, self.scope = device, place, scope
+        self._exe = core.Executor(generic_place(place))
+        self._ctx: dict[tuple, Any] = {}
+        self._free: list[core._Scope] = []
+
+    # --- sections -----------------------------------------------------------------------------------
+    def _prepared(self, plan: Plan, stage: int, kind: str, keep: tuple[str, ...]) -> Any:
+        key = (id(plan), stage, kind, keep)
+        ctx = self._ctx.get(key)
+        if ctx is None:
+            section = plan.stages[stage].sections[kind]
+            program = without_comm_ops(section.program)
+            ctx = (self._exe.prepare(program.desc, 0, list(section.keep + keep), False), program)
+            self._ctx[key] = ctx
+        return ctx[0]
+
+    def run_section(self, plan: Plan, stage: int, kind: str, scope: core._Scope,
+                    keep: tuple[str, ...] = ()) -> None:
+        self._exe.run_prepared_ctx(self._prepared(plan, stage, kind, keep), scope, False, True, True)
+
+    def init_stage(self, plan: Plan, stage: int) -> None:
+        self.run_section(plan, stage, INIT, self.scope)
+
+    # --- one step -----------------------------------------------------------------------------------
+    def run_step(self, job: StepJob) -> StepResult:
+        plan, result = job.plan, StepResult()
+        last_use = {(a.stage, a.microbatch): i for i, a in enumerate(job.actions) if a.microbatch is not None}
+        scopes: dict[tuple[int, int], core._Scope] = {}
+        for i, action in enumerate(job.actions):
+            started = time.perf_counter()
+            try:
+                self._run_action(job, action, scopes, result)
+            except BaseException as exc:
+                if isinstance(exc, StageError):
+                    raise
+                raise StageError(action.stage, self.device, action, exc) from exc
+            if job.record is not None:
+                job.record(action, started, time.perf_counter())
+            key = (action.stage, action.microbatch)
+            if action.microbatch is not None and last_use[key] == i:
+                self._release(plan, action.stage, scopes.pop(key))
+        return result
+
+    def _run_action(self, job: StepJob, a: Action, scopes: dict, result: StepResult) -> None:
+        plan = job.plan
+        if a.kind is Kind.OPT:
+            self.run_section(plan, a.stage, OPTIMIZE, self.scope)
+            return
+        key = (a.stage, a.microbatch)
+        scope = scopes.get(key)
+        if scope is None:
+            scope = scopes[key] = self._free.pop() if self._free else self.scope.new_scope()
+        if a.kind is Kind.RECV:
+            for name, tensor in job.channel.recv(a.route, a.microbatch).items():
+                scope.var(name).get_tensor()._share_data_with(tensor)
+        elif a.kind is Kind.SEND:
+            route = plan.routes[a.route]
+            dst = generic_place(job.places[route.dst.stage])
+            message = {}
+            for var in route.vars:
+                tensor = _tensor(scope, var.name, a)
+                _check_cut(var, tensor, plan.micro_batch_size)
+                message[var.name] = tensor._copy(dst)
+            job.channel.send(a.route, a.microbatch, message)
+        else:
+            kind = SECTION_OF[a.kind]
+            if a.kind is Kind.F:
+                for name, value in job.feeds.get(a.stage, [{}] * (a.microbatch + 1))[a.microbatch].items():
+                    scope.var(name).get_tensor().set(value, self.place)
+            names = job.fetch.get((a.stage, kind), ())
+            self.run_section(plan, a.stage, kind, scope, names)
+            for name in names:
+                result.fetched.setdefault(name, []).append(np.array(_tensor(scope, name, a)))
+
+    def _release(self, plan: Plan, stage: int, scope: core._Scope) -> None:
+        """Erase what a micro-batch left in its scope, so a reused scope can never serve stale values."""
+        fwd = plan.stages[stage].sections[FORWARD]
+        names = set(fwd.keep) | set(fwd.feeds)
+        for r in plan.routes:
+            if r.dst.stage == stage:
+                names.update(v.name for v in r.vars)
+        scope.erase(sorted(names))
+        self._free.append(scope)
+
+
+def _tensor(scope: core._Scope, name: str, action: Action) -> core.LoDTensor:
+    var = scope.find_var(name)
+    if var is None or not var.get_tensor()._is_initialized():
+        raise RuntimeError(f"variable '{name}' has no value in {action}")
+    return var.get_tensor()
+
+
+def _check_cut(var, tensor: core.LoDTensor, micro_batch_size: int | None) -> None:
+    """A cut variable must keep its compiled shape and dtype: a receiver in another process relies on it."""
+    got = tuple(tensor.shape())
+    want = var.shape_for(micro_batch_size)
+    if len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got)):
+        raise ValueError(f"cut variable '{var.name}' has shape {list(got)}, but the plan compiled "
+                         f"{list(want)}")
+    dtype = convert_dtype(tensor._dtype())
+    if dtype != var.dtype:
+        raise ValueError(f"cut variable '{var.name}' has dtype {dtype}, but the plan compiled {var.dtype}")

@@ -1,0 +1,138 @@
+"""The model zoo: guarded builds match their unguarded reference, and stages only feed forward."""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from staticpipe._paddle import np, paddle
+
+from models import BUILDERS, Network, build_convnet, build_mlp, build_resnet, stage_of
+
+pytestmark = pytest.mark.timeout(120)
+
+# (builder, num_stages): small sizes keep the whole file fast on a CPU.
+CASES = {
+    "mlp": (build_mlp, 3),
+    "convnet-2": (build_convnet, 2),
+    "convnet-3": (build_convnet, 3),
+    "resnet50": (partial(build_resnet, depth=50, width=8, image_size=32), 4),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request) -> tuple[Network, Network]:
+    build, num_stages = CASES[request.param]
+    return build(num_stages=num_stages), build(num_stages=num_stages, guarded=False)
+
+
+def _params(net: Network) -> list[tuple[str, tuple]]:
+    return [(p.name, tuple(p.shape)) for p in net.main.all_parameters()]
+
+
+def _forward_loss(net: Network, batch: dict) -> float:
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    with paddle.static.scope_guard(paddle.static.Scope()):
+        exe.run(net.startup)
+        (loss,) = exe.run(net.main, feed=batch, fetch_list=[net.loss])
+    return float(loss)
+
+
+def test_same_parameters(pair):
+    guarded, plain = pair
+    assert _params(guarded) == _params(plain)
+    assert len(_params(guarded)) > 0
+
+
+def test_guarded_ops_stay_on_declared_devices_and_feed_forward(pair):
+    guarded, _ = pair
+    devices = guarded.devices
+    assert devices == [f"gpu:{k}" for k in range(len(devices))]
+    producer_stage: dict[str, int] = {}
+    used = set()
+    for op in guarded.main.global_block().ops:
+        device = op.attr("op_device")
+        assert device in devices, f"{op.type} on {device!r}"
+        stage = devices.index(device)
+        used.add(stage)
+        for name in op.input_arg_names:
+            assert producer_stage.get(name, 0) <= stage, f"{op.type} on stage {stage} reads {name} from a later stage"
+        producer_stage.update((name, stage) for name in op.output_arg_names)
+    assert used == set(range(len(devices)))
+    assert producer_stage[guarded.loss.name] == len(devices) - 1
+
+
+def test_unguarded_ops_have_no_device(pair):
+    _, plain = pair
+    assert plain.devices == []
+    assert all(op.attr("op_device") == "" for op in plain.main.global_block().ops)
+
+
+def test_guarded_and_unguarded_losses_agree(pair):
+    guarded, plain = pair
+    batch = guarded.random_batch(4, seed=3)
+    assert list(batch) == [v.name for v in guarded.feeds]
+    loss = _forward_loss(guarded, batch)
+    assert np.isfinite(loss)
+    assert loss == pytest.approx(_forward_loss(plain, batch), abs=1e-6)
+
+
+def test_same_shaped_parameters_start_different():
+    net = build_mlp(num_stages=1, depth=3)  # fc_1 and fc_2 are both hidden x hidden
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    with paddle.static.scope_guard(paddle.static.Scope()):
+        exe.run(net.startup)
+        scope = paddle.static.global_scope()
+        w1, w2 = (np.array(scope.find_var(n).get_tensor()) for n in ("fc_1.w_0", "fc_2.w_0"))
+    assert w1.shape == w2.shape and not np.array_equal(w1, w2)
+
+
+def test_sample_reader_replays_random_batch():
+    net = build_convnet(num_stages=1)
+    batch = net.random_batch(300, seed=5)
+    samples = list(net.sample_reader(300, seed=5)())
+    replay = list(net.sample_reader(300, seed=5)())
+    assert len(samples) == len(replay) == 300
+    for i, name in enumerate(batch):  # the reader yields the batch's rows, the same on every call
+        np.testing.assert_array_equal(np.stack([s[i] for s in samples]), batch[name])
+        np.testing.assert_array_equal(np.stack([s[i] for s in replay]), batch[name])
+    assert batch["image"].dtype == np.float32 and batch["image"].shape == (300, 3, 32, 32)
+    assert batch["label"].dtype == np.int64 and batch["label"].shape == (300, 1)
+    assert batch["label"].min() >= 0 and batch["label"].max() < 10
+
+
+def test_builders_registry():
+    assert set(BUILDERS) == {"mlp", "convnet", "resnet50", "resnet101", "resnet152"}
+    net = BUILDERS["resnet101"](num_stages=2, width=8)
+    # stem + 33 bottlenecks + head; 3 conv+bn per bottleneck, plus 4 projections and the stem's
+    assert len([op for op in net.main.global_block().ops if op.type == "conv2d"]) == 1 + 33 * 3 + 4
+
+
+def test_resnet_rejects_unknown_depth():
+    with pytest.raises(ValueError, match="50, 101, 152"):
+        build_resnet(depth=34)
+
+
+def test_builder_rejects_too_many_stages():
+    with pytest.raises(ValueError, match="num_stages"):
+        build_convnet(num_stages=6)
+
+
+@pytest.mark.parametrize(
+    "num_layers, num_stages, sizes",
+    [(10, 3, [4, 3, 3]), (5, 2, [3, 2]), (18, 4, [5, 5, 4, 4]), (4, 4, [1, 1, 1, 1]), (7, 1, [7])],
+)
+def test_stage_of_splits_contiguously(num_layers, num_stages, sizes):
+    stages = [stage_of(i, num_layers, num_stages) for i in range(num_layers)]
+    assert stages == sorted(stages)
+    assert [stages.count(k) for k in range(num_stages)] == sizes
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [((0, 3, 0), "num_stages"), ((0, 3, 4), "num_stages"), ((3, 3, 2), "layer_index"), ((-1, 3, 2), "layer_index"),
+     ((0, 0, 1), "num_layers")],
+)
+def test_stage_of_rejects_bad_arguments(args, name):
+    with pytest.raises(ValueError, match=name):
+        stage_of(*args)
