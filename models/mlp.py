@@ -23,8 +23,9 @@ def build_mlp(
 ) -> Network:
     """``depth`` Linear+ReLU layers of width ``hidden``, then a Linear to ``num_classes`` logits.
 
-    The ``depth + 1`` layers are the units split over stages; the input feed is named "features".
+    The ``depth`` hidden layers are the units split over stages (the small classifier joins the last
+    one, so 8 layers on 2 stages give 4 + 4 equal stages); the input feed is named "features".
     """
-    blocks: list[Block] = [partial(_dense, size=hidden, act="relu") for _ in range(depth)]
-    blocks.append(partial(_dense, size=num_classes, act=None))
+    blocks: list[Block] = [partial(_dense, size=hidden, act="relu") for _ in range(depth - 1)]
+    blocks.append(lambda x: _dense(_dense(x, hidden, "relu"), num_classes, None))
     return build_classifier(blocks, [in_dim], num_stages, guarded, seed, input_name="features")

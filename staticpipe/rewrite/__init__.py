@@ -8,7 +8,7 @@ from __future__ import annotations
 from .._paddle import framework
 from ..plan import Plan
 from ..schedule import canonical_name, check_microbatches, lower, make_schedule
-from .programs import np_dtype, without_comm_ops
+from .programs import clear_device_tags, np_dtype, without_comm_ops
 from .sections import MERGED_SUFFIX, build_sections
 from .stages import assign_stages
 
@@ -38,4 +38,4 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
                 micro_batch_size=micro_batch_size)
 
 
-__all__ = ["build_plan", "assign_stages", "build_sections", "without_comm_ops", "MERGED_SUFFIX"]
+__all__ = ["build_plan", "assign_stages", "build_sections", "without_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]

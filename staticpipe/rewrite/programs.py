@@ -76,3 +76,12 @@ def without_comm_ops(program: framework.Program) -> framework.Program:
             block._remove_op(idx, sync=False)
     block._sync_with_cpp()
     return clone
+
+
+def clear_device_tags(program: framework.Program) -> framework.Program:
+    """``program`` with every ``op_device`` emptied (in place): for running a tagged program on the CPU,
+    where Paddle would warn about each gpu tag."""
+    for op in program.global_block().ops:
+        if op.has_attr(OP_DEVICE):
+            op._set_attr(OP_DEVICE, "")
+    return program

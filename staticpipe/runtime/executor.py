@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 from .._paddle import core, framework, np, paddle
 from ..io import FeedSpec, split_microbatches
 from ..plan import FORWARD, Plan
+from ..rewrite import clear_device_tags
 from .channel import Channel, InProcessChannel, PipelineAborted
 from .places import place_of
 from .progress import Progress
@@ -93,7 +94,7 @@ class Executor:
 
     def _run_startup(self, startup: framework.Program, plan: Plan) -> None:
         host = core.Scope()
-        paddle.static.Executor(core.CPUPlace()).run(startup, scope=host)
+        paddle.static.Executor(core.CPUPlace()).run(_on_host(startup), scope=host)
         for stage in plan.stages:
             worker = self.worker(stage.device)
             for name in stage.persistables:
@@ -149,7 +150,14 @@ class Executor:
         for device, actions in by_device.items():
             job = StepJob(plan, actions, feeds, fetch, self._channel, places, record)
             futures[self._threads[device].submit(self.worker(device).run_step, job)] = device
-        results = self._wait(futures)
+        try:
+            results = self._wait(futures)
+        except BaseException:
+            # micro-batches of the failed step may have reached the gradient buffers: empty them so the
+            # next step starts clean
+            for stage in plan.stages:
+                self.worker(stage.device).init_stage(plan, stage.index)
+            raise
         fetched: dict[str, list[np.ndarray]] = {}
         for r in results:
             fetched.update(r.fetched)
@@ -205,7 +213,7 @@ class Executor:
             raise ValueError("scope must be None: staticpipe keeps one scope per device "
                              "(Executor.scope_of(device))")
         names = _names(fetch_list)
-        labels = list(fetch_info) if fetch_info else names
+        labels = list(fetch_info) if fetch_info else ["loss" if n == plan.loss else n for n in names]
         if len(labels) != len(names):
             raise ValueError(f"fetch_info has {len(labels)} names for {len(names)} fetch_list entries")
         history: list[list] = []
@@ -262,6 +270,14 @@ class Executor:
             for s in plan.stage_of_var(name):
                 worker = self.worker(plan.stages[s].device)
                 worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
+
+
+def _on_host(startup: framework.Program) -> framework.Program:
+    """A copy of ``startup`` with its device tags removed: it runs once on the CPU, then the values are
+    copied to each stage's place."""
+    host = startup.clone()
+    host.random_seed = startup.random_seed
+    return clear_device_tags(host)
 
 
 def _spec(plan: Plan, name: str) -> tuple[tuple[int, ...], np.dtype]:

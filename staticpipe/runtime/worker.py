@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 from .._paddle import core, np, paddle
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, Plan
-from ..rewrite import without_comm_ops
+from ..rewrite import clear_device_tags, without_comm_ops
 from ..schedule import Action, Kind
-from .channel import Channel
+from .channel import Channel, PipelineAborted
 from .places import generic_place
 
 convert_dtype = paddle.base.data_feeder.convert_dtype
@@ -64,6 +64,8 @@ class DeviceWorker:
         if ctx is None:
             section = plan.stages[stage].sections[kind]
             program = without_comm_ops(section.program)
+            if isinstance(self.place, core.CPUPlace):
+                clear_device_tags(program)
             ctx = (self._exe.prepare(program.desc, 0, list(section.keep + keep), False), program)
             self._ctx[key] = ctx
         return ctx[0]
@@ -80,19 +82,23 @@ class DeviceWorker:
         plan, result = job.plan, StepResult()
         last_use = {(a.stage, a.microbatch): i for i, a in enumerate(job.actions) if a.microbatch is not None}
         scopes: dict[tuple[int, int], core._Scope] = {}
-        for i, action in enumerate(job.actions):
-            started = time.perf_counter()
-            try:
-                self._run_action(job, action, scopes, result)
-            except BaseException as exc:
-                if isinstance(exc, StageError):
+        try:
+            for i, action in enumerate(job.actions):
+                started = time.perf_counter()
+                try:
+                    self._run_action(job, action, scopes, result)
+                except PipelineAborted:
                     raise
-                raise StageError(action.stage, self.device, action, exc) from exc
-            if job.record is not None:
-                job.record(action, started, time.perf_counter())
-            key = (action.stage, action.microbatch)
-            if action.microbatch is not None and last_use[key] == i:
-                self._release(plan, action.stage, scopes.pop(key))
+                except BaseException as exc:
+                    raise StageError(action.stage, self.device, action, exc) from exc
+                if job.record is not None:
+                    job.record(action, started, time.perf_counter())
+                key = (action.stage, action.microbatch)
+                if action.microbatch is not None and last_use[key] == i:
+                    self._release(plan, action.stage, scopes.pop(key))
+        finally:  # a failed step leaves no half-used micro-batch scope behind
+            for (stage, _), scope in scopes.items():
+                self._release(plan, stage, scope)
         return result
 
     def _run_action(self, job: StepJob, a: Action, scopes: dict, result: StepResult) -> None:
