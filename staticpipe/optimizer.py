@@ -10,7 +10,7 @@ from typing import Any
 
 from ._paddle import framework, paddle
 from .plan import Plan
-from .rewrite import build_plan
+from .rewrite import build_plan, check_micro_batch_size
 from .runtime.executor import PLAN_ATTR
 from .schedule import canonical_name, check_microbatches
 
@@ -31,6 +31,7 @@ class PipelineOptimizer:
         self.inner = optimizer
         self.num_microbatches = check_microbatches(num_microbatches)
         self.schedule = canonical_name(schedule)
+        check_micro_batch_size(micro_batch_size)
         self.micro_batch_size = micro_batch_size
         self.plan: Plan | None = None
 

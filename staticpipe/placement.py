@@ -13,7 +13,7 @@ from typing import Iterator
 
 from ._paddle import paddle
 
-_DEVICE_RE = re.compile(r"^(cpu|gpu)(?::(\d+))?$")
+_DEVICE_RE = re.compile(r"^(cpu|gpu)(?::([0-9]+))?$")
 ACCEPTED_FORMS = '"cpu", "gpu", "gpu:k" (k = 0, 1, ...)'
 
 

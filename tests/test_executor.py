@@ -123,7 +123,7 @@ def test_bad_feeds_are_named():
 
 def test_bad_arguments_are_named():
     net, exe = pipelined_mlp()
-    with pytest.raises(ValueError, match=re.escape("threads_per_stage must be an integer >= 1, got 0")):
+    with pytest.raises(ValueError, match=re.escape("threads_per_stage must be an integer >= 1 or a dict device -> integer >= 1, got 0")):
         staticpipe.Executor(threads_per_stage=0)
     with pytest.raises(ValueError, match="this program has no pipeline plan"):
         exe.train_from_dataset(paddle.static.Program(), loader_for(net))

@@ -13,13 +13,17 @@ from .sections import MERGED_SUFFIX, build_sections
 from .stages import assign_stages
 
 
+def check_micro_batch_size(micro_batch_size: object) -> None:
+    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
+        raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
+
+
 def build_plan(program: framework.Program, loss_name: str, num_microbatches: int = 1,
                schedule: str = "1F1B", micro_batch_size: int | None = None) -> Plan:
     """Split ``program`` (forward, backward and optimizer ops, tagged by ``device_guard``) into a Plan."""
     check_microbatches(num_microbatches)
     schedule = canonical_name(schedule)
-    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
-        raise ValueError(f"micro_batch_size must be a positive integer or None, got {micro_batch_size!r}")
+    check_micro_batch_size(micro_batch_size)
     assignment = assign_stages(program)
     stages, routes, data_vars, producers = build_sections(program, assignment, num_microbatches, micro_batch_size)
     block = program.global_block()
@@ -38,4 +42,4 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
                 micro_batch_size=micro_batch_size)
 
 
-__all__ = ["build_plan", "assign_stages", "build_sections", "without_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]
+__all__ = ["build_plan", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]

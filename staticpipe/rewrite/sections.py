@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .._paddle import OP_DEVICE, OP_ROLE, OP_ROLE_VAR, ROLE_BACKWARD, ROLE_LOSS, ROLE_OPTIMIZE, core, framework, paddle
+from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, ROLE_OPTIMIZE, core, framework, paddle
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, CutVar, Route, Section, SectionRef, Stage
-from .programs import EMPTY_VAR, append_comm_op, copy_ops, declare_var, np_dtype
+from .programs import EMPTY_VAR, append_comm_op, append_tagged_op, copy_ops, declare_var, np_dtype
 from .stages import BWD, FWD, LR, OPT, StageAssignment, op_label
 
 MERGED_SUFFIX = "@MERGED"
@@ -53,14 +53,14 @@ def _analyse(block: framework.Block, ref: SectionRef, ops: list[int]) -> Section
 
 
 def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str, str]:
-    """parameter -> gradient name, from the optimizer ops' ``op_role_var`` pairs."""
-    pairs: dict[str, str] = {}
-    for i, op in enumerate(block.ops):
-        if assignment.role[i] == OPT and op.has_attr(OP_ROLE_VAR):
-            rv = op.attr(OP_ROLE_VAR)
-            for p, g in zip(rv[0::2], rv[1::2]):
-                pairs[p] = g
-    return pairs
+    """parameter -> the gradient its backward ops produce (``<param>@GRAD``), for trained parameters.
+
+    The raw backward gradient is what accumulates over micro-batches; whatever the optimizer does to it
+    afterwards (clipping, regularization) happens once per step on the accumulated sum.
+    """
+    produced = {n for i, op in enumerate(block.ops) if assignment.role[i] == BWD for n in op.output_arg_names}
+    return {p.name: p.name + GRAD_SUFFIX for p in block.all_parameters()
+            if p.name + GRAD_SUFFIX in produced}
 
 
 def build_sections(program: framework.Program, assignment: StageAssignment, num_microbatches: int,
@@ -189,8 +189,8 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
     copy_ops(dst, block, sec.ops, edit=scale_loss_grad, persistable=set(grads_here))
     for g in grads_here:  # accumulate: g@MERGED += g
         merged = _declare_merged(dst, block, g)
-        dst.append_op(type="elementwise_add", inputs={"X": [merged], "Y": [g]}, outputs={"Out": [merged]},
-                      attrs={"axis": -1, OP_DEVICE: device, OP_ROLE: ROLE_BACKWARD})
+        append_tagged_op(dst, "elementwise_add", device, ROLE_BACKWARD, inputs={"X": [merged], "Y": [g]},
+                         outputs={"Out": [merged]}, attrs={"axis": -1})
     for r in sends:
         for v in r.vars:
             append_comm_op(dst, "send_v2", v, r.dst.stage, device, role, micro_batch_size)
@@ -241,6 +241,5 @@ def _init_section(block: framework.Block, stage: int, device: str, stage_grads: 
 
 def _zero_fill(dst: framework.Block, name: str, device: str, role: int) -> None:
     var = dst.var(name)
-    dst.append_op(type="fill_constant", outputs={"Out": [name]},
-                  attrs={"shape": list(var.shape), "dtype": var.dtype, "value": 0.0,
-                         OP_DEVICE: device, OP_ROLE: role})
+    append_tagged_op(dst, "fill_constant", device, role, outputs={"Out": [name]},
+                     attrs={"shape": list(var.shape), "dtype": var.dtype, "value": 0.0})

@@ -4,8 +4,8 @@ Rules, in order:
 - forward ops take the stage of their ``op_device`` guard; stages are numbered by the first forward op
   of each device;
 - a forward op with no guard joins the latest stage among the producers of its inputs; one whose inputs
-  are only data, parameters or constants joins the earliest stage that consumes its outputs; anything
-  left goes to stage 0;
+  are only data, parameters or constants joins the earliest stage that consumes its outputs (directly or
+  through other unguarded ops); one that nothing consumes goes to stage 0;
 - backward ops take their guard (Paddle copies the forward op's device) or, without one, the stage of the
   forward op whose gradient they compute;
 - optimizer and regularization ops take the stage of their parameter (``op_role_var``); learning-rate
@@ -86,19 +86,22 @@ def assign_stages(program: framework.Program) -> StageAssignment:
         for name in ops[i].output_arg_names:
             producer.setdefault(name, i)
 
-    # unguarded forward ops: producer rule forward, consumer rule backward, then stage 0
+    # unguarded forward ops: ops with a producing op follow their latest producer; source ops (data,
+    # parameters, constants only) take the earliest stage that consumes them, directly or through
+    # other unguarded ops
+    consumer_stage: dict[int, int] = {}
+    for i in reversed(fwd):
+        outs = set(ops[i].output_arg_names)
+        cons = [stage[j] if stage[j] is not None else consumer_stage.get(j) for j in fwd
+                if j > i and outs.intersection(ops[j].input_arg_names)]
+        cons = [c for c in cons if c is not None]
+        if cons:
+            consumer_stage[i] = min(cons)
     for i in fwd:
         if stage[i] is None:
             ins = [stage[producer[n]] for n in ops[i].input_arg_names if n in producer and producer[n] != i]
             ins = [s for s in ins if s is not None]
-            if ins:
-                stage[i] = max(ins)
-    for i in reversed(fwd):
-        if stage[i] is None:
-            outs = set(ops[i].output_arg_names)
-            cons = [stage[j] for j in fwd if j > i and stage[j] is not None
-                    and outs.intersection(ops[j].input_arg_names)]
-            stage[i] = min(cons) if cons else 0
+            stage[i] = max(ins) if ins else consumer_stage.get(i, 0)
 
     # forward data may only flow to later stages
     for i in fwd:

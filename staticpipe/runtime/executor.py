@@ -37,12 +37,15 @@ class Executor:
     """Pipeline executor with the calls of ``paddle.static.Executor`` that training needs.
 
     ``place`` is where unsplit programs run (default: GPU 0 with CUDA, else CPU). ``threads_per_stage``
-    is each CPU stage worker's intra-op thread budget.
+    is each CPU stage worker's intra-op thread budget: one number for all, or ``{device: threads}``
+    (devices not named get 1).
     """
 
-    def __init__(self, place: Any = None, threads_per_stage: int = 1):
-        if not isinstance(threads_per_stage, int) or threads_per_stage < 1:
-            raise ValueError(f"threads_per_stage must be an integer >= 1, got {threads_per_stage!r}")
+    def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1):
+        budgets = threads_per_stage.values() if isinstance(threads_per_stage, dict) else [threads_per_stage]
+        if not all(isinstance(n, int) and n >= 1 for n in budgets):
+            raise ValueError("threads_per_stage must be an integer >= 1 or a dict device -> integer >= 1, "
+                             f"got {threads_per_stage!r}")
         self.place = place if place is not None else place_of("gpu:0")
         self.threads_per_stage = threads_per_stage
         self._plain = paddle.static.Executor(self.place)
@@ -57,9 +60,12 @@ class Executor:
         w = self._workers.get(device)
         if w is None:
             w = self._workers[device] = DeviceWorker(device, place_of(device), core.Scope())
+            budget = self.threads_per_stage
+            if isinstance(budget, dict):
+                budget = budget.get(device, 1)
             self._threads[device] = cf.ThreadPoolExecutor(
                 1, thread_name_prefix=f"staticpipe-{device}", initializer=core.set_num_threads,
-                initargs=(self.threads_per_stage,))
+                initargs=(budget,))
         return w
 
     def scope_of(self, device: str) -> core._Scope:

@@ -56,6 +56,7 @@ class DeviceWorker:
         self._exe = core.Executor(generic_place(place))
         self._ctx: dict[tuple, Any] = {}
         self._free: list[core._Scope] = []
+        self._cuda = isinstance(place, core.CUDAPlace)
 
     # --- sections -----------------------------------------------------------------------------------
     def _prepared(self, plan: Plan, stage: int, kind: str, keep: tuple[str, ...]) -> Any:
@@ -64,7 +65,7 @@ class DeviceWorker:
         if ctx is None:
             section = plan.stages[stage].sections[kind]
             program = without_comm_ops(section.program)
-            if isinstance(self.place, core.CPUPlace):
+            if not self._cuda:
                 clear_device_tags(program)
             ctx = (self._exe.prepare(program.desc, 0, list(section.keep + keep), False), program)
             self._ctx[key] = ctx
@@ -73,6 +74,8 @@ class DeviceWorker:
     def run_section(self, plan: Plan, stage: int, kind: str, scope: core._Scope,
                     keep: tuple[str, ...] = ()) -> None:
         self._exe.run_prepared_ctx(self._prepared(plan, stage, kind, keep), scope, False, True, True)
+        if self._cuda:  # kernels run on the device's own stream; values leave it only once they are done
+            core._cuda_synchronize(self.place)
 
     def init_stage(self, plan: Plan, stage: int) -> None:
         self.run_section(plan, stage, INIT, self.scope)

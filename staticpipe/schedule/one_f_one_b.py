@@ -2,7 +2,8 @@
 
 Stage ``s`` of ``p`` runs ``min(p - 1 - s, m)`` warm-up forwards, so at most ``p - s`` micro-batches are
 in flight on it (GPipe keeps all ``m``); the bubble is the same as GPipe's, (p-1)/(m+p-1). With fewer
-micro-batches than stages it degenerates to F-then-B and still trains correctly.
+micro-batches than stages the early stages run all forwards first (like F-then-B) while the last
+stages still alternate; it trains correctly with any m >= 1.
 """
 from __future__ import annotations
 
