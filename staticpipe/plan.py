@@ -88,13 +88,14 @@ class Section:
 
     @property
     def num_compute_ops(self) -> int:
-        return sum(1 for op in self.program.global_block().ops if op.type not in COMM_OP_TYPES)
+        return sum(1 for op in self.program.global_block().ops if op.type not in COLLECTIVE_OP_TYPES)
 
     def __str__(self) -> str:
         return f"# stage {self.stage} {self.kind} section\n{self.program}"
 
 
-COMM_OP_TYPES = ("send_v2", "recv_v2")
+COMM_OP_TYPES = ("send_v2", "recv_v2")  # point-to-point ops at the ends of per-micro-batch sections
+COLLECTIVE_OP_TYPES = COMM_OP_TYPES + ("c_allreduce_sum",)  # comm ops the optimize section may hold
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Plan:
     data_specs: dict[str, tuple[tuple[int, ...], str]]  # data variable -> (shape, dtype)
     loss: str
     producers: dict[str, SectionRef] = field(default_factory=dict)  # per-micro-batch var -> its section
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shared parameter -> stages reading it
     micro_batch_size: int | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -160,6 +162,12 @@ class Plan:
                 lines.append(f"    {v.describe(mbs):<44} {r.src} -> {r.dst}")
         if not self.routes:
             lines.append("    -")
+        if self.shared:
+            lines.append("  shared parameters (updated once on the owner, the first stage that reads them):")
+        for name, stages in sorted(self.shared.items()):
+            others = ", ".join(str(s) for s in stages[1:])
+            lines.append(f"    {name}: owner stage {stages[0]}; stage(s) {others} accumulate their partial "
+                         f"gradients, send the sum once per step, and receive the new value after the update")
         for note in self.notes:
             lines.append(f"  note: {note}")
         lines.append(f"  actions ({self.schedule}):")

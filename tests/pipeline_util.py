@@ -45,6 +45,9 @@ def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_siz
         batch = ref.random_batch(batch_size, seed=0 if same_batch else step)
         ref_losses.append(float(ref_exe.run(ref.main, feed=batch, fetch_list=[ref.loss], scope=scope)[0]))
         pipe_losses.append(float(exe.run(pipe.main, feed=batch, fetch_list=[pipe.loss])[0]))
+        for program in (ref.main, pipe.main):  # learning-rate schedules advance once per global step
+            if hasattr(program, "lr_scheduler"):
+                program.lr_scheduler.step()
     state = exe.state_dict(pipe.main)
     exe.close()
     return Twin(ref_losses, pipe_losses, {n: np.array(scope.find_var(n).get_tensor()) for n in names},

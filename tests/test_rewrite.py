@@ -14,6 +14,8 @@ import staticpipe
 from staticpipe._paddle import paddle
 from staticpipe.plan import BACKWARD, FORWARD, INIT, OPTIMIZE, CutVar, SectionRef
 from staticpipe.rewrite import MERGED_SUFFIX, assign_stages, build_plan
+from staticpipe.rewrite.optimize import place_optimize_ops
+from staticpipe.rewrite.sections import param_grads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,14 +91,15 @@ def test_stages_numbered_by_first_forward_use_of_each_device():
         ("fill_constant", "backward", 1), ("reduce_mean_grad", "backward", 1),
         ("elementwise_add_grad", "backward", 1), ("mul_grad", "backward", 1),
         ("elementwise_add_grad", "backward", 0), ("mul_grad", "backward", 0),
-        ("momentum", "optimize", 0), ("momentum", "optimize", 0),
-        ("momentum", "optimize", 1), ("momentum", "optimize", 1),
+        ("momentum", "optimize", None), ("momentum", "optimize", None),
+        ("momentum", "optimize", None), ("momentum", "optimize", None),
     ]
     assert a.param_stage == {"fc_0.w_0": 0, "fc_0.b_0": 0, "fc_1.w_0": 1, "fc_1.b_0": 1}
     # each optimizer op sits on the stage of the parameter it updates
-    for i, op in enumerate(block.ops):
-        if a.role[i] == "optimize":
-            assert a.stage[i] == a.param_stage[op.input("Param")[0]]
+    placement = place_optimize_ops(block, a, param_grads(block, a))
+    for s, items in placement.ops.items():
+        assert sorted(block.ops[i].input("Param")[0] for i in items) == sorted(
+            p for p, st in a.param_stage.items() if st == s)
 
     plan = build_plan(net.main, net.loss.name, 2)
     assert plan.devices == ["gpu:1", "gpu:0"]
@@ -212,7 +215,8 @@ def test_program_without_guards_is_one_stage_on_gpu0():
 
     net = build(body, pipeline=dict(num_microbatches=3))
     a = assign_stages(net.main)
-    assert a.devices == ["gpu:0"] and set(a.stage) == {0}
+    assert a.devices == ["gpu:0"]
+    assert {a.stage[i] for i, role in enumerate(a.role) if role in ("forward", "backward")} == {0}
     plan = net.plan
     assert plan.devices == ["gpu:0"]
     assert plan.routes == []
@@ -296,11 +300,23 @@ def shared_weight():
         return paddle.mean(paddle.matmul(a, w))
 
 
-def test_parameter_used_on_two_stages_is_rejected():
-    message = ("parameter 'shared_w' is read on stage 0 (gpu:0) and by op #1 'matmul_v2' on stage 1 (gpu:1); "
-               "parameters shared across stages are not supported yet")
-    with pytest.raises(ValueError, match=re.escape(message)):
-        build(shared_weight, pipeline=dict(num_microbatches=1))
+def test_parameter_used_on_two_stages_is_shared_with_its_first_stage_as_owner():
+    net = build(shared_weight, pipeline=dict(num_microbatches=2))
+    a = assign_stages(net.main)
+    assert a.param_stage == {"shared_w": 0} and a.shared == {"shared_w": (0, 1)}
+    plan = net.plan
+    assert plan.stages[0].parameters == ("shared_w",) and plan.stages[1].parameters == ()
+    # stage 1 accumulates its partial gradient itself and sends the sum once per step; the owner
+    # adds it, updates, and sends the new value back
+    partial = "shared_w@GRAD@RENAME@block0@0"
+    assert plan.stages[1].grad_buffers == (partial + "@MERGED",)
+    assert all(v.name != partial for r in plan.routes for v in r.vars)
+    opt0, opt1 = ops(plan.stages[0].sections[OPTIMIZE]), ops(plan.stages[1].sections[OPTIMIZE])
+    assert [(op.type, op.attr("peer")) for op in opt0 if op.type in ("send_v2", "recv_v2")] == [
+        ("recv_v2", 1), ("send_v2", 1)]
+    assert [(op.type, op.attr("peer")) for op in opt1 if op.type in ("send_v2", "recv_v2")] == [
+        ("send_v2", 0), ("recv_v2", 0)]
+    assert opt1[0].input("X") == [partial + "@MERGED"] and opt1[-1].output("Out") == ["shared_w"]
 
 
 def fixed_batch():

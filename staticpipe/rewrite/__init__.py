@@ -8,7 +8,7 @@ from __future__ import annotations
 from .._paddle import framework
 from ..plan import Plan
 from ..schedule import canonical_name, check_microbatches, lower, make_schedule
-from .programs import clear_device_tags, np_dtype, without_comm_ops
+from .programs import clear_device_tags, np_dtype, split_at_comm_ops, without_comm_ops
 from .sections import MERGED_SUFFIX, build_sections
 from .stages import assign_stages
 
@@ -39,7 +39,7 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
     actions = lower(make_schedule(schedule, len(stages), num_microbatches), routes)
     return Plan(stages=stages, routes=routes, num_microbatches=num_microbatches, schedule=schedule,
                 actions=actions, data_vars=data_vars, data_specs=data_specs, loss=loss_name, producers=producers,
-                micro_batch_size=micro_batch_size)
+                micro_batch_size=micro_batch_size, shared=dict(assignment.shared))
 
 
-__all__ = ["build_plan", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]
+__all__ = ["build_plan", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from .._paddle import OP_DEVICE, OP_ROLE, core, framework, paddle
-from ..plan import COMM_OP_TYPES, CutVar
+from ..plan import COLLECTIVE_OP_TYPES, COMM_OP_TYPES, CutVar
 
 EMPTY_VAR = core.kEmptyVarName() if hasattr(core, "kEmptyVarName") else "@EMPTY@"
 
@@ -32,7 +32,7 @@ def declare_var(dst: framework.Block, src: framework.Variable, persistable: bool
     dst.create_var(**kwargs)
 
 
-OpEdit = Callable[[core.OpDesc], None]
+OpEdit = Callable[[int, core.OpDesc], None]  # (index of the op in the source block, copied desc)
 
 
 def copy_ops(dst: framework.Block, src: framework.Block, op_indices: Iterable[int],
@@ -47,7 +47,7 @@ def copy_ops(dst: framework.Block, src: framework.Block, op_indices: Iterable[in
         desc = dst.desc.append_op()
         desc.copy_from(op.desc)
         if edit is not None:
-            edit(desc)
+            edit(i, desc)
         for name in desc.input_arg_names() + desc.output_arg_names():
             if name and name != EMPTY_VAR and not dst.has_var(name):
                 declare_var(dst, src._var_recursive(name), True if name in persistable else None)
@@ -81,10 +81,32 @@ def append_comm_op(block: framework.Block, op_type: str, var: CutVar, peer: int,
 
 def without_comm_ops(program: framework.Program) -> framework.Program:
     """A copy of ``program`` with its send/recv ops removed: what the runtime executes."""
+    return _copy_without(program, lambda i, op: op.type in COMM_OP_TYPES)
+
+
+def split_at_comm_ops(program: framework.Program) -> list[framework.Program | framework.Operator]:
+    """``program`` as a sequence of compute programs (maximal runs of ops) and the comm ops between them.
+
+    The runtime runs the programs and performs each comm op itself through its channel.
+    """
+    ops = program.global_block().ops
+    pieces: list[framework.Program | framework.Operator] = []
+    start = 0
+    for i, op in enumerate(ops + [None]):
+        if op is None or op.type in COLLECTIVE_OP_TYPES:
+            if i > start:
+                pieces.append(_copy_without(program, lambda j, _: not start <= j < i))
+            if op is not None:
+                pieces.append(op)
+            start = i + 1
+    return pieces
+
+
+def _copy_without(program: framework.Program, drop: Callable[[int, framework.Operator], bool]) -> framework.Program:
     clone = program.clone()
     block = clone.global_block()
     for idx in reversed(range(len(block.ops))):
-        if block.ops[idx].type in COMM_OP_TYPES:
+        if drop(idx, block.ops[idx]):
             block._remove_op(idx, sync=False)
     block._sync_with_cpp()
     return clone

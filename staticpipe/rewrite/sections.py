@@ -18,11 +18,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, ROLE_OPTIMIZE, core, framework, paddle
-from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, CutVar, Route, Section, SectionRef, Stage
+from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, CutVar, Route, Section, SectionRef, Stage
 from .programs import EMPTY_VAR, append_comm_op, append_tagged_op, copy_ops, declare_var, np_dtype
-from .stages import BWD, FWD, LR, OPT, StageAssignment, op_label
+from .optimize import Reduction, SharedPartial, place_optimize_ops, shared_partials
+from .stages import BWD, FWD, StageAssignment, op_label
 
 MERGED_SUFFIX = "@MERGED"
+PARTIAL_SUFFIX = "@STAGE_PARTIAL"
 
 
 @dataclass
@@ -41,11 +43,13 @@ def _names(names: list[str]) -> list[str]:
     return [n for n in names if n and n != EMPTY_VAR]
 
 
-def _analyse(block: framework.Block, ref: SectionRef, ops: list[int]) -> SectionOps:
+def _analyse(block: framework.Block, ref: SectionRef, ops: list[int], drops: dict[int, set[str]]) -> SectionOps:
     sec = SectionOps(ref, ops)
     for i in ops:
         op = block.ops[i]
         for name in _names(op.input_arg_names):
+            if name in drops.get(i, ()):
+                continue
             if name not in sec.writes and name not in sec.reads and not block._var_recursive(name).persistable:
                 sec.reads.append(name)
         sec.writes.update(n for n in _names(op.output_arg_names) if not block._var_recursive(n).persistable)
@@ -70,21 +74,15 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
     block = program.global_block()
     p = len(assignment.devices)
     by_section: dict[SectionRef, list[int]] = defaultdict(list)
-    opt_ops: dict[int, list[int]] = defaultdict(list)
-    lr_ops: list[int] = []
     for i, role in enumerate(assignment.role):
-        if role == FWD:
-            by_section[SectionRef(assignment.stage[i], FORWARD)].append(i)
-        elif role == BWD:
-            by_section[SectionRef(assignment.stage[i], BACKWARD)].append(i)
-        elif role == OPT:
-            opt_ops[assignment.stage[i]].append(i)
-        elif role == LR:
-            lr_ops.append(i)
+        if role in (FWD, BWD):
+            by_section[SectionRef(assignment.stage[i], FORWARD if role == FWD else BACKWARD)].append(i)
 
     order = sorted((SectionRef(s, k) for s in range(p) for k in (FORWARD, BACKWARD)),
                    key=lambda r: r.order(p))
-    secs = {ref: _analyse(block, ref, by_section.get(ref, [])) for ref in order}
+    grads = param_grads(block, assignment)
+    partials, drops = shared_partials(block, assignment, grads)
+    secs = {ref: _analyse(block, ref, by_section.get(ref, []), drops) for ref in order}
 
     producer: dict[str, SectionRef] = {}
     for ref in order:
@@ -131,39 +129,42 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
     routes = [Route(k, src, dst, tuple(_cut_var(block, n) for n in names))
               for k, ((src, dst), names) in enumerate(sorted(route_vars.items(),
                                                              key=lambda kv: (kv[0][0].order(p), kv[0][1].order(p))))]
-    grads = param_grads(block, assignment)
+    placement = place_optimize_ops(block, assignment, grads)
     stages = []
     for s, device in enumerate(assignment.devices):
-        stage_grads = {g: p_ for p_, g in grads.items() if assignment.param_stage.get(p_) == s}
+        # gradients accumulated here: owned parameters' gradients and partials of shared parameters
+        merge = {g: p_ for p_, g in grads.items() if assignment.param_stage.get(p_) == s}
+        merge.update({sp.name: sp.param for sp in partials if sp.stage == s})
         stage = Stage(index=s, device=device)
-        stage.sections[FORWARD] = _per_microbatch_section(
-            block, secs[SectionRef(s, FORWARD)], routes, device, micro_batch_size, {}, num_microbatches)
-        stage.sections[BACKWARD] = _per_microbatch_section(
-            block, secs[SectionRef(s, BACKWARD)], routes, device, micro_batch_size, stage_grads,
-            num_microbatches)
-        stage.sections[OPTIMIZE] = _optimize_section(block, s, device, lr_ops + opt_ops[s], stage_grads)
-        stage.sections[INIT] = _init_section(block, s, device, stage_grads)
+        for kind in PER_MICROBATCH:
+            stage.sections[kind] = _per_microbatch_section(
+                block, secs[SectionRef(s, kind)], routes, device, micro_batch_size, merge, num_microbatches,
+                drops)
+        stage.sections[OPTIMIZE] = _optimize_section(block, s, device, placement.ops[s], grads, merge,
+                                                     partials, assignment)
+        stage.sections[INIT] = _init_section(block, s, device, merge)
         stage.parameters = tuple(n for n, st in assignment.param_stage.items() if st == s)
-        stage.grad_buffers = tuple(g + MERGED_SUFFIX for g in stage_grads)
+        stage.grad_buffers = tuple(g + MERGED_SUFFIX for g in merge)
         stage.persistables = tuple(sorted({
             v.name for sec in stage.sections.values() for v in sec.program.list_vars()
-            if v.persistable and v.name not in stage_grads}))
+            if v.persistable and v.name not in merge}))
         stages.append(stage)
     return stages, routes, {k: tuple(v) for k, v in data_vars.items()}, producer
 
 
-def _cut_var(block: framework.Block, name: str) -> CutVar:
+def _cut_var(block: framework.Block, name: str, as_name: str | None = None) -> CutVar:
+    """The cut variable for ``name`` (travelling under ``as_name`` if given)."""
     var = block._var_recursive(name)
     if var.type != core.VarDesc.VarType.LOD_TENSOR:
         raise ValueError(f"variable '{name}' crosses a stage boundary but is a {var.type}, not a dense tensor; "
                          "move the ops that use it onto one stage")
     shape = tuple(int(d) for d in var.shape)
-    return CutVar(name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
+    return CutVar(as_name or name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
 
 
 def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: list[Route], device: str,
-                            micro_batch_size: int | None, stage_grads: dict[str, str],
-                            num_microbatches: int) -> Section:
+                            micro_batch_size: int | None, merge: dict[str, str], num_microbatches: int,
+                            drops: dict[int, set[str]]) -> Section:
     role = ROLE_BACKWARD if sec.ref.kind == BACKWARD else 0
     prog = paddle.static.Program()
     dst = prog.global_block()
@@ -174,7 +175,9 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
             declare_var(dst, block._var_recursive(v.name))
             append_comm_op(dst, "recv_v2", v, r.src.stage, device, role, micro_batch_size)
 
-    def scale_loss_grad(desc: core.OpDesc) -> None:
+    def edit(i: int, desc: core.OpDesc) -> None:
+        if i in drops:  # a shared parameter's partial gradients from other stages arrive once per step
+            desc.set_input("X", [n for n in desc.input("X") if n not in drops[i]])
         if (desc.has_attr(OP_ROLE) and desc.attr(OP_ROLE) == ROLE_BACKWARD | ROLE_LOSS
                 and desc.type() == "fill_constant" and num_microbatches > 1):
             value = desc.attr("value") / num_microbatches
@@ -185,8 +188,8 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
     produced = set()
     for i in sec.ops:
         produced.update(block.ops[i].output_arg_names)
-    grads_here = [g for g in stage_grads if g in produced]
-    copy_ops(dst, block, sec.ops, edit=scale_loss_grad, persistable=set(grads_here))
+    grads_here = [g for g in merge if g in produced]
+    copy_ops(dst, block, sec.ops, edit=edit, persistable=set(grads_here))
     for g in grads_here:  # accumulate: g@MERGED += g
         merged = _declare_merged(dst, block, g)
         append_tagged_op(dst, "elementwise_add", device, ROLE_BACKWARD, inputs={"X": [merged], "Y": [g]},
@@ -206,35 +209,74 @@ def _declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> st
     return name
 
 
-def _optimize_section(block: framework.Block, stage: int, device: str, ops: list[int],
-                      stage_grads: dict[str, str]) -> Section:
+def _optimize_section(block: framework.Block, stage: int, device: str, ops: list[int | Reduction],
+                      grads: dict[str, str], merge: dict[str, str], partials: list[SharedPartial],
+                      assignment: StageAssignment) -> Section:
+    """Once per step: shared-gradient exchange, learning rate, clipping, updates, buffer reset, and
+    the new values of shared parameters sent to the stages that read them."""
     prog = paddle.static.Program()
     dst = prog.global_block()
-    for g in stage_grads:
+    for g in merge:
         _declare_merged(dst, block, g)
+    owned = {g: g + MERGED_SUFFIX for g, p_ in merge.items() if assignment.param_stage[p_] == stage}
+    for sp in partials:
+        if sp.owner == stage:  # add the other stages' partial sums into the owner's buffer
+            name = _declare_merged(dst, block, sp.name)
+            append_comm_op(dst, "recv_v2", _cut_var(block, sp.name, name), sp.stage, device, ROLE_OPTIMIZE, None)
+            target = grads[sp.param] + MERGED_SUFFIX
+            append_tagged_op(dst, "elementwise_add", device, ROLE_OPTIMIZE, inputs={"X": [target], "Y": [name]},
+                             outputs={"Out": [target]}, attrs={"axis": -1})
+        elif sp.stage == stage:
+            append_comm_op(dst, "send_v2", _cut_var(block, sp.name, sp.name + MERGED_SUFFIX), sp.owner, device,
+                           ROLE_OPTIMIZE, None)
 
-    def read_merged(desc: core.OpDesc) -> None:
-        for g in stage_grads:
-            desc._rename_input(g, g + MERGED_SUFFIX)
-            desc._rename_output(g, g + MERGED_SUFFIX)
+    def read_merged(i: int, desc: core.OpDesc) -> None:
+        for g, merged in owned.items():
+            desc._rename_input(g, merged)
+            desc._rename_output(g, merged)
 
-    copy_ops(dst, block, sorted(ops), edit=read_merged)
-    for i in sorted(ops):
-        for name in _names(block.ops[i].input_arg_names):
-            var = block._var_recursive(name)
-            if not var.persistable and name not in stage_grads and not any(
-                    name in block.ops[j].output_arg_names for j in ops if j < i):
-                raise ValueError(f"optimizer {op_label(i, block.ops[i])} on stage {stage} reads '{name}', "
-                                 "which is neither state of this stage nor computed by its optimizer ops")
-    for g in stage_grads:
+    for item in ops:
+        if isinstance(item, Reduction):
+            _append_reduction(dst, block, item, device, owned)
+        else:
+            copy_ops(dst, block, [item], edit=read_merged)
+    for g in merge:
         _zero_fill(dst, g + MERGED_SUFFIX, device, ROLE_OPTIMIZE)
+    for param, sharers in sorted(assignment.shared.items()):
+        var = _cut_var(block, param)
+        if assignment.param_stage[param] == stage:
+            for peer in sharers:
+                if peer != stage:
+                    append_comm_op(dst, "send_v2", var, peer, device, ROLE_OPTIMIZE, None)
+        elif stage in sharers:
+            declare_var(dst, block._var_recursive(param))
+            append_comm_op(dst, "recv_v2", var, assignment.param_stage[param], device, ROLE_OPTIMIZE, None)
     return Section(stage, OPTIMIZE, prog)
 
 
-def _init_section(block: framework.Block, stage: int, device: str, stage_grads: dict[str, str]) -> Section:
+def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction, device: str,
+                      owned: dict[str, str]) -> None:
+    """This stage's part of a cross-stage sum: sum the local inputs, then all-reduce into the output."""
+    out = src._var_recursive(red.output)
+    declare_var(dst, out)
+    partial = red.output + PARTIAL_SUFFIX
+    dst.create_var(name=partial, shape=out.shape, dtype=out.dtype, persistable=False)
+    inputs = [owned.get(n, n) for n in red.inputs]
+    for name in red.inputs:
+        if not dst.has_var(owned.get(name, name)):
+            declare_var(dst, src._var_recursive(name))
+    if inputs:
+        append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [partial]})
+    else:
+        _zero_fill(dst, partial, device, ROLE_OPTIMIZE)
+    append_tagged_op(dst, "c_allreduce_sum", device, ROLE_OPTIMIZE, inputs={"X": [partial]},
+                     outputs={"Out": [red.output]}, attrs={"ring_id": 0, "use_calc_stream": True})
+
+
+def _init_section(block: framework.Block, stage: int, device: str, merge: dict[str, str]) -> Section:
     prog = paddle.static.Program()
     dst = prog.global_block()
-    for g in stage_grads:
+    for g in merge:
         _zero_fill(dst, _declare_merged(dst, block, g), device, ROLE_OPTIMIZE)
     return Section(stage, INIT, prog)
 

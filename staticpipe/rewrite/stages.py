@@ -8,14 +8,14 @@ Rules, in order:
   through other unguarded ops); one that nothing consumes goes to stage 0;
 - backward ops take their guard (Paddle copies the forward op's device) or, without one, the stage of the
   forward op whose gradient they compute;
-- optimizer and regularization ops take the stage of their parameter (``op_role_var``); learning-rate
-  ops run on every stage.
+- a parameter belongs to the first stage that reads it; one read on several stages is *shared*;
+- optimizer-phase ops are placed by ``rewrite/optimize.py``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._paddle import (GRAD_SUFFIX, OP_DEVICE, OP_ROLE, OP_ROLE_VAR, ROLE_BACKWARD, ROLE_LRSCHED,
+from .._paddle import (GRAD_SUFFIX, OP_DEVICE, OP_ROLE, ROLE_BACKWARD, ROLE_LRSCHED,
                        ROLE_OPTIMIZE, framework)
 from ..placement import parse_device
 
@@ -27,8 +27,9 @@ DEFAULT_DEVICE = "gpu:0"
 class StageAssignment:
     devices: list[str]  # stage -> device
     role: list[str]  # op index -> FWD/BWD/OPT/LR
-    stage: list[int | None]  # op index -> stage (None for LR ops, which run on every stage)
-    param_stage: dict[str, int]  # parameter -> the stage of the forward ops that read it
+    stage: list[int | None]  # op index -> stage of forward and backward ops (None for the others)
+    param_stage: dict[str, int]  # parameter -> its owner: the first stage whose forward reads it
+    shared: dict[str, tuple[int, ...]]  # parameter read on several stages -> those stages
 
 
 def op_label(i: int, op: framework.Operator) -> str:
@@ -115,23 +116,18 @@ def assign_stages(program: framework.Program) -> StageAssignment:
                     "move the op into a later device_guard or reorder the guards")
 
     param_names = {p.name for p in block.all_parameters()}
-    param_stage: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
     for i in fwd:
         for name in ops[i].input_arg_names:
-            if name in param_names:
-                prev = param_stage.setdefault(name, stage[i])
-                if prev != stage[i]:
-                    raise ValueError(
-                        f"parameter '{name}' is read on stage {prev} ({devices[prev]}) and by "
-                        f"{op_label(i, ops[i])} on stage {stage[i]} ({devices[stage[i]]}); parameters "
-                        "shared across stages are not supported yet")
+            if name in param_names and stage[i] not in readers.setdefault(name, []):
+                readers[name].append(stage[i])
+    param_stage = {name: min(stages) for name, stages in readers.items()}
+    shared = {name: tuple(sorted(stages)) for name, stages in readers.items() if len(stages) > 1}
 
     for i, op in enumerate(ops):
         if roles[i] == BWD:
             stage[i] = _backward_stage(i, op, devices, producer, stage, param_stage)
-        elif roles[i] == OPT:
-            stage[i] = _optimize_stage(i, op, devices, param_stage)
-    return StageAssignment(devices, roles, stage, param_stage)
+    return StageAssignment(devices, roles, stage, param_stage, shared)
 
 
 def _backward_stage(i: int, op: framework.Operator, devices: list[str], producer: dict[str, int],
@@ -153,16 +149,3 @@ def _backward_stage(i: int, op: framework.Operator, devices: list[str], producer
         raise ValueError(f"backward {op_label(i, op)} has no device and computes no gradient of a forward "
                          "variable; staticpipe cannot tell which stage runs it")
     return max(cands)
-
-
-def _optimize_stage(i: int, op: framework.Operator, devices: list[str], param_stage: dict[str, int]) -> int:
-    role_var = op.attr(OP_ROLE_VAR) if op.has_attr(OP_ROLE_VAR) else []
-    if role_var and role_var[0] in param_stage:
-        return param_stage[role_var[0]]
-    dev = _device(op)
-    if dev is not None and dev in devices:
-        return devices.index(dev)
-    raise ValueError(
-        f"optimizer {op_label(i, op)} belongs to no parameter and has no device (inputs "
-        f"{op.input_arg_names}); ops that combine gradients of several stages, such as "
-        "ClipGradByGlobalNorm, are not supported yet")

@@ -1,14 +1,18 @@
 """Channels: how a route's tensors travel from one stage worker to another.
 
-The runtime only calls ``send``, ``recv`` and ``abort``; the in-process implementation below keeps a
-mailbox keyed by (route, micro-batch), so that a message can never be matched to the wrong receiver. A
-transport on ``paddle.distributed`` implements the same three methods.
+The runtime only calls ``send``, ``recv``, ``allreduce``, ``abort`` and ``reset``. Keys name messages:
+``(route, micro-batch)`` for the cut variables of a schedule, ``("opt", var, src, dst)`` for the
+once-per-step exchanges of the optimize sections. The in-process implementation below keeps a mailbox
+keyed that way, so a message can never be matched to the wrong receiver. A transport on
+``paddle.distributed`` implements the same methods.
 """
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Hashable
+
+import numpy as np
 
 Message = dict[str, Any]  # cut variable name -> tensor (already on the receiver's place)
 POLL_S = 0.05
@@ -20,10 +24,15 @@ class PipelineAborted(RuntimeError):
 
 class Channel(ABC):
     @abstractmethod
-    def send(self, route: int, microbatch: int, message: Message) -> None: ...
+    def send(self, key: Hashable, message: Message) -> None: ...
 
     @abstractmethod
-    def recv(self, route: int, microbatch: int) -> Message: ...
+    def recv(self, key: Hashable) -> Message: ...
+
+    @abstractmethod
+    def allreduce(self, key: Hashable, member: int, value: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
+        """Sum ``value`` over every member of ``group`` (added in member order, so every member gets
+        bit-identical results) and return the sum to each."""
 
     @abstractmethod
     def abort(self, reason: str) -> None:
@@ -37,25 +46,40 @@ class Channel(ABC):
 class InProcessChannel(Channel):
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._box: dict[tuple[int, int], Message] = {}
+        self._box: dict[Hashable, Message] = {}
+        self._sums: dict[Hashable, dict] = {}
         self._aborted: str | None = None
 
-    def send(self, route: int, microbatch: int, message: Message) -> None:
+    def send(self, key: Hashable, message: Message) -> None:
         with self._cond:
             self._check()
-            key = (route, microbatch)
             if key in self._box:
-                raise RuntimeError(f"route {route} micro-batch {microbatch} was sent twice")
+                raise RuntimeError(f"message {key} was sent twice")
             self._box[key] = message
             self._cond.notify_all()
 
-    def recv(self, route: int, microbatch: int) -> Message:
-        key = (route, microbatch)
+    def recv(self, key: Hashable) -> Message:
         with self._cond:
             while key not in self._box:
                 self._check()
                 self._cond.wait(POLL_S)
             return self._box.pop(key)
+
+    def allreduce(self, key: Hashable, member: int, value: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
+        with self._cond:
+            slot = self._sums.setdefault(key, {"parts": {}, "result": None, "taken": 0})
+            slot["parts"][member] = value
+            if len(slot["parts"]) == len(group):
+                parts = [slot["parts"][m] for m in sorted(group)]
+                slot["result"] = sum(parts[1:], parts[0].copy())
+                self._cond.notify_all()
+            while slot["result"] is None:
+                self._check()
+                self._cond.wait(POLL_S)
+            slot["taken"] += 1
+            if slot["taken"] == len(group):
+                del self._sums[key]
+            return slot["result"]
 
     def abort(self, reason: str) -> None:
         with self._cond:
@@ -65,6 +89,7 @@ class InProcessChannel(Channel):
     def reset(self) -> None:
         with self._cond:
             self._box.clear()
+            self._sums.clear()
             self._aborted = None
 
     def pending(self) -> list[tuple[int, int]]:

@@ -94,6 +94,7 @@ class Executor:
             self._run_startup(program, plan)
             return []
         if plan is not None:
+            self._set_learning_rate(program, plan)
             return self._step(plan, feed or {}, _names(fetch_list))
         return self._plain.run(program, feed=feed, fetch_list=fetch_list, scope=self._plain_scope,
                                return_numpy=return_numpy)
@@ -110,6 +111,19 @@ class Executor:
             worker.init_stage(plan, stage.index)
 
     # --- training -----------------------------------------------------------------------------------
+    def _set_learning_rate(self, program: framework.Program, plan: Plan) -> None:
+        """Give every stage the scheduler's current learning rate, as Paddle's executor does before each
+        run; the scheduler advances only when ``step()`` is called (by the user or ``lr_step``)."""
+        scheduler = getattr(program, "lr_scheduler", None)
+        if scheduler is None:
+            return
+        name = scheduler._var_name
+        dtype = paddle.base.data_feeder.convert_dtype(program.global_block().var(name).dtype)
+        value = np.array([scheduler()], dtype=dtype)
+        for s in plan.stage_of_var(name):
+            worker = self.worker(plan.stages[s].device)
+            worker.scope.var(name).get_tensor().set(value, worker.place)
+
     def _step(self, plan: Plan, batch: dict, fetch: list[str]) -> list[np.ndarray]:
         missing = [n for n in plan.data_vars if n not in batch]
         extra = [n for n in batch if n not in plan.data_vars]
@@ -201,13 +215,15 @@ class Executor:
 
     def train_from_dataset(self, program: framework.Program, dataset: Any = None, scope: Any = None,
                            thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,
-                           fetch_info: Sequence[str] | None = None, print_period: int = 100) -> list[list]:
+                           fetch_info: Sequence[str] | None = None, print_period: int = 100,
+                           lr_step: str | None = None) -> list[list]:
         """Train ``program`` on one epoch of ``dataset`` (a ``staticpipe.io.DataLoader``).
 
         Returns the fetched values of every step (a list per step, in ``fetch_list`` order). ``thread``
         is accepted for Paddle compatibility (each stage has its own worker already); ``scope`` must be
         None because parameters live in one scope per device (see ``scope_of``). With ``debug`` every
-        step's per-stage busy time is logged.
+        step's per-stage busy time is logged. ``lr_step`` advances the program's learning-rate scheduler
+        after every step ("step") or after the epoch ("epoch"); None leaves ``scheduler.step()`` to you.
         """
         plan = plan_of(program)
         if plan is None:
@@ -218,6 +234,11 @@ class Executor:
         if scope is not None:
             raise ValueError("scope must be None: staticpipe keeps one scope per device "
                              "(Executor.scope_of(device))")
+        if lr_step not in (None, "step", "epoch"):
+            raise ValueError(f"lr_step must be None, 'step' or 'epoch', got {lr_step!r}")
+        if lr_step is not None and getattr(program, "lr_scheduler", None) is None:
+            raise ValueError(f"lr_step={lr_step!r} needs an optimizer with a paddle.optimizer.lr.LRScheduler "
+                             "learning rate; this program's learning rate is constant")
         names = _names(fetch_list)
         labels = list(fetch_info) if fetch_info else ["loss" if n == plan.loss else n for n in names]
         if len(labels) != len(names):
@@ -230,11 +251,16 @@ class Executor:
                 started = time.perf_counter()
                 if debug:
                     self.step_records.clear()
+                self._set_learning_rate(program, plan)
                 values = self._step(plan, batch, names)
+                if lr_step == "step":
+                    program.lr_scheduler.step()
                 history.append(values)
                 progress.update(len(next(iter(batch.values()))), values, time.perf_counter() - started)
                 if debug:
                     log.info("step %d busy seconds per stage: %s", len(history), self.busy_time())
+        if lr_step == "epoch":
+            program.lr_scheduler.step()
         return history
 
     def busy_time(self) -> dict[int, float]:

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .._paddle import core, np, paddle
+from .._paddle import core, framework, np, paddle
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, Plan
-from ..rewrite import clear_device_tags, without_comm_ops
+from ..rewrite import clear_device_tags, split_at_comm_ops, without_comm_ops
 from ..schedule import Action, Kind
 from .channel import Channel, PipelineAborted
 from .places import generic_place
@@ -57,6 +57,7 @@ class DeviceWorker:
         self._ctx: dict[tuple, Any] = {}
         self._free: list[core._Scope] = []
         self._cuda = isinstance(place, core.CUDAPlace)
+        self._programs: list = []  # keeps alive the programs whose descs prepared contexts use
 
     # --- sections -----------------------------------------------------------------------------------
     def _prepared(self, plan: Plan, stage: int, kind: str, keep: tuple[str, ...]) -> Any:
@@ -74,8 +75,7 @@ class DeviceWorker:
     def run_section(self, plan: Plan, stage: int, kind: str, scope: core._Scope,
                     keep: tuple[str, ...] = ()) -> None:
         self._exe.run_prepared_ctx(self._prepared(plan, stage, kind, keep), scope, False, True, True)
-        if self._cuda:  # kernels run on the device's own stream; values leave it only once they are done
-            core._cuda_synchronize(self.place)
+        self._sync()
 
     def init_stage(self, plan: Plan, stage: int) -> None:
         self.run_section(plan, stage, INIT, self.scope)
@@ -107,14 +107,14 @@ class DeviceWorker:
     def _run_action(self, job: StepJob, a: Action, scopes: dict, result: StepResult) -> None:
         plan = job.plan
         if a.kind is Kind.OPT:
-            self.run_section(plan, a.stage, OPTIMIZE, self.scope)
+            self._run_optimize(job, a.stage)
             return
         key = (a.stage, a.microbatch)
         scope = scopes.get(key)
         if scope is None:
             scope = scopes[key] = self._free.pop() if self._free else self.scope.new_scope()
         if a.kind is Kind.RECV:
-            for name, tensor in job.channel.recv(a.route, a.microbatch).items():
+            for name, tensor in job.channel.recv((a.route, a.microbatch)).items():
                 scope.var(name).get_tensor()._share_data_with(tensor)
         elif a.kind is Kind.SEND:
             route = plan.routes[a.route]
@@ -124,7 +124,7 @@ class DeviceWorker:
                 tensor = _tensor(scope, var.name, a)
                 _check_cut(var, tensor, plan.micro_batch_size)
                 message[var.name] = tensor._copy(dst)
-            job.channel.send(a.route, a.microbatch, message)
+            job.channel.send((a.route, a.microbatch), message)
         else:
             kind = SECTION_OF[a.kind]
             if a.kind is Kind.F:
@@ -134,6 +134,52 @@ class DeviceWorker:
             self.run_section(plan, a.stage, kind, scope, names)
             for name in names:
                 result.fetched.setdefault(name, []).append(np.array(_tensor(scope, name, a)))
+
+    def _run_optimize(self, job: StepJob, stage: int) -> None:
+        """Run the optimize section piece by piece, doing its send/recv/all-reduce ops on the channel."""
+        plan = job.plan
+        key = (id(plan), stage, OPTIMIZE)
+        pieces = self._ctx.get(key)
+        if pieces is None:
+            pieces = self._ctx[key] = self._prepare_pieces(plan.stages[stage].sections[OPTIMIZE].program)
+        group = tuple(range(plan.num_stages))
+        for piece in pieces:
+            if not isinstance(piece, framework.Operator):
+                self._exe.run_prepared_ctx(piece, self.scope, False, True, True)
+                self._sync()
+            elif piece.type == "send_v2":
+                name, peer = piece.input("X")[0], piece.attr("peer")
+                dst = generic_place(job.places[peer])
+                job.channel.send(("opt", name, stage, peer), {name: _tensor(self.scope, name, piece.type)._copy(dst)})
+            elif piece.type == "recv_v2":
+                name, peer = piece.output("Out")[0], piece.attr("peer")
+                message = job.channel.recv(("opt", name, peer, stage))
+                self.scope.var(name).get_tensor()._share_data_with(message[name])
+            else:  # c_allreduce_sum over all stages
+                src, out = piece.input("X")[0], piece.output("Out")[0]
+                total = job.channel.allreduce(("opt", out), stage, np.array(_tensor(self.scope, src, piece.type)),
+                                              group)
+                self.scope.var(out).get_tensor().set(total, self.place)
+
+    def _prepare_pieces(self, program: framework.Program) -> list:
+        pieces = split_at_comm_ops(program)
+        prepared = []
+        for k, piece in enumerate(pieces):
+            if isinstance(piece, framework.Operator):
+                prepared.append(piece)
+                continue
+            later = {n for p in pieces[k + 1:] for n in
+                     (p.input_arg_names if isinstance(p, framework.Operator) else
+                      [n for op in p.global_block().ops for n in op.input_arg_names])}
+            if not self._cuda:
+                clear_device_tags(piece)
+            prepared.append(self._exe.prepare(piece.desc, 0, sorted(later), False))
+            self._programs.append(piece)  # the prepared context refers to the program's desc
+        return prepared
+
+    def _sync(self) -> None:
+        if self._cuda:  # kernels run on the device's own stream; values leave it only once they are done
+            core._cuda_synchronize(self.place)
 
     def _release(self, plan: Plan, stage: int, scope: core._Scope) -> None:
         """Erase what a micro-batch left in its scope, so a reused scope can never serve stale values."""
@@ -146,7 +192,7 @@ class DeviceWorker:
         self._free.append(scope)
 
 
-def _tensor(scope: core._Scope, name: str, action: Action) -> core.LoDTensor:
+def _tensor(scope: core._Scope, name: str, action: Action | str) -> core.LoDTensor:
     var = scope.find_var(name)
     if var is None or not var.get_tensor()._is_initialized():
         raise RuntimeError(f"variable '{name}' has no value in {action}")

@@ -1,0 +1,162 @@
+"""Training features survive the rewrite: optimizers, schedules, regularization, clipping, tied weights.
+
+Every case trains the pipelined program and its single-device twin from the same initial parameters on
+the same batches and compares parameters and losses after several steps (rtol 1e-5; atol 1e-6 for
+values near zero, where float32 summation order alone moves the last digits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+
+import staticpipe
+from models import build_mlp
+from pipeline_util import assert_same_training, minimize, train_twins
+from staticpipe._paddle import np, paddle
+
+pytestmark = pytest.mark.timeout(300)
+P, LR = paddle.optimizer, paddle.optimizer.lr
+MLP3 = partial(build_mlp, num_stages=3)
+
+EXACT = {
+    "momentum+L2Decay": lambda: P.Momentum(0.1, momentum=0.9, weight_decay=paddle.regularizer.L2Decay(1e-3)),
+    "sgd+L2Decay": lambda: P.SGD(0.1, weight_decay=paddle.regularizer.L2Decay(1e-2)),
+    "sgd+ClipGradByValue": lambda: P.SGD(0.1, grad_clip=paddle.nn.ClipGradByValue(0.01)),
+    "sgd+ClipGradByNorm": lambda: P.SGD(0.1, grad_clip=paddle.nn.ClipGradByNorm(0.01)),
+    "momentum+ClipGradByGlobalNorm": lambda: P.Momentum(0.1, momentum=0.9,
+                                                        grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05)),
+    "PiecewiseDecay": lambda: P.Momentum(LR.PiecewiseDecay([1, 2], [0.1, 0.05, 0.01]), momentum=0.9),
+    "CosineAnnealingDecay": lambda: P.SGD(LR.CosineAnnealingDecay(0.1, T_max=4)),
+    "LinearWarmup+Cosine": lambda: P.SGD(LR.LinearWarmup(LR.CosineAnnealingDecay(0.1, T_max=4), 2, 0.0, 0.1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_training_equals_single_device(name):
+    assert_same_training(train_twins(MLP3, EXACT[name], steps=4, num_microbatches=4))
+
+
+@pytest.mark.parametrize("make", [lambda: P.Adam(0.01), lambda: P.AdamW(0.01, weight_decay=0.01),
+                                  lambda: P.Lamb(0.01)], ids=["adam", "adamw", "lamb"])
+def test_adam_family_equals_single_device_except_at_epsilon(make):
+    """Adam divides each update by sqrt(v) + eps. Where a coordinate's accumulated gradient is as small
+    as the float32 rounding of summing micro-batches (~1e-8, the size of eps), the two runs' rounding
+    differences become updates of up to lr in size. So at most 0.1 % of coordinates may differ, and by
+    at most lr per step; everything else, and every loss, matches to rtol 1e-5."""
+    steps, lr = 3, 0.01
+    twin = train_twins(MLP3, make, steps=steps, num_microbatches=4)
+    np.testing.assert_allclose(twin.pipe_losses, twin.ref_losses, rtol=1e-5)
+    off = total = 0
+    for name, ref in twin.ref_params.items():
+        got = twin.pipe_params[name]
+        off += int((~np.isclose(got, ref, rtol=1e-5, atol=1e-6)).sum())
+        total += ref.size
+        assert np.max(np.abs(got - ref)) <= steps * lr, name
+    assert off <= total // 1000, f"{off} of {total} coordinates differ"
+
+
+def test_state_dict_holds_optimizer_states_on_the_parameter_stage():
+    net = MLP3()
+    minimize(net, P.Adam(0.01), dict(num_microbatches=2))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    exe.run(net.main, feed=net.random_batch(8))
+    state = exe.state_dict(net.main)
+    plan = staticpipe.plan_of(net.main)
+    for stage in plan.stages:
+        for param in stage.parameters:
+            moments = [k for k in state if k.startswith(param + "_moment")]
+            assert len(moments) == 2, param
+            for k in moments:
+                assert exe.scope_of(stage.device).find_var(k) is not None
+                assert all(exe.scope_of(o.device).find_var(k) is None for o in plan.stages if o is not stage)
+
+
+def test_learning_rate_is_the_same_on_every_stage_and_advances_per_step_or_epoch():
+    net = MLP3()
+    sched = LR.PiecewiseDecay([2, 4], [0.1, 0.01, 0.001])
+    minimize(net, P.SGD(sched), dict(num_microbatches=2))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+
+    def loader(samples):
+        ld = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+        return ld.set_sample_generator(net.sample_reader(samples), batch_size=8)
+
+    def rates():
+        return {d: float(np.array(exe.scope_of(d).find_var("learning_rate_0").get_tensor())[0])
+                for d in staticpipe.plan_of(net.main).devices}
+
+    exe.train_from_dataset(net.main, loader(24), lr_step="step")  # 3 steps at epochs 0, 1, 2
+    assert sched.last_epoch == 3 and set(rates().values()) == {np.float32(0.01)}
+    exe.train_from_dataset(net.main, loader(16), lr_step="epoch")  # 2 steps at epoch 3, then one step
+    assert sched.last_epoch == 4 and set(rates().values()) == {np.float32(0.01)}
+    exe.run(net.main, feed=net.random_batch(8))
+    assert set(rates().values()) == {np.float32(0.001)}
+    with pytest.raises(ValueError, match="lr_step must be None, 'step' or 'epoch', got 'batch'"):
+        exe.train_from_dataset(net.main, loader(8), lr_step="batch")
+
+
+# ------------------------------------------------------------------------------------ tied weights
+
+@dataclass
+class TiedLM:
+    main: paddle.static.Program
+    startup: paddle.static.Program
+    loss: paddle.static.Variable
+    vocab: int
+    seq: int
+
+    def random_batch(self, batch_size, seed=0):
+        rng = np.random.default_rng(seed)
+        return {"ids": rng.integers(0, self.vocab, (batch_size, self.seq)).astype("int64"),
+                "next": rng.integers(0, self.vocab, (batch_size, self.seq, 1)).astype("int64")}
+
+
+def tied_lm(num_stages=2, guarded=True, vocab=40, dim=16, seq=4):
+    """A language-model toy: the input embedding table is reused, transposed, as the output projection."""
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    startup.random_seed = 7
+
+    def on(stage):
+        return staticpipe.device_guard(f"gpu:{stage}") if guarded else paddle.static.device_guard(None)
+
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        with on(0):
+            ids = paddle.static.data("ids", [None, seq], "int64")
+            table = paddle.static.create_parameter([vocab, dim], "float32", name="embedding")
+            h = paddle.tanh(paddle.static.nn.fc(paddle.nn.functional.embedding(ids, table), dim,
+                                                num_flatten_dims=2))
+        for stage in range(1, num_stages - 1):
+            with on(stage):
+                h = paddle.tanh(paddle.static.nn.fc(h, dim, num_flatten_dims=2))
+        with on(num_stages - 1):
+            nxt = paddle.static.data("next", [None, seq, 1], "int64")
+            logits = paddle.matmul(h, table, transpose_y=True)
+            loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, nxt, reduction="none"))
+    return TiedLM(main, startup, loss, vocab, seq)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("make", [lambda: P.Momentum(0.1, momentum=0.9),
+                                  lambda: P.SGD(0.5, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.1))],
+                         ids=["momentum", "sgd+global-norm"])
+def test_tied_embedding_trains_like_single_device(stages, make):
+    twin = train_twins(partial(tied_lm, num_stages=stages), make, steps=4, batch_size=8, num_microbatches=4)
+    assert_same_training(twin)
+
+
+def test_tied_embedding_is_identical_on_every_stage_that_reads_it():
+    net = tied_lm(num_stages=3)
+    minimize(net, P.Momentum(0.1, momentum=0.9), dict(num_microbatches=2))
+    plan = staticpipe.plan_of(net.main)
+    assert "shared parameters" in str(plan)
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    for step in range(3):
+        exe.run(net.main, feed=net.random_batch(4, seed=step))
+        first, last = (np.array(exe.scope_of(d).find_var("embedding").get_tensor()) for d in ("gpu:0", "gpu:2"))
+        np.testing.assert_array_equal(first, last)
+    assert exe.scope_of("gpu:1").find_var("embedding") is None
