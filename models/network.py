@@ -8,7 +8,7 @@ describe their layers as a list of blocks.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Sequence
 
 from staticpipe._paddle import np, paddle
@@ -44,7 +44,9 @@ def stage_of(layer_index: int, num_layers: int, num_stages: int) -> int:
 class Network:
     """A built forward network: programs, feeds, loss and the devices of its stages.
 
-    ``outputs["logits"]`` must exist: the synthetic data draws integer labels below its width.
+    Synthetic data: a feed named in ``value_ranges`` draws integers uniform in ``[low, high)``, cast to
+    its dtype (token ids, embedding ids, 0/1 click labels stored as floats); any other integer feed is a
+    class label uniform below the width of ``outputs["logits"]``; any other float feed is standard normal.
     """
 
     main: paddle.static.Program
@@ -53,9 +55,10 @@ class Network:
     loss: Variable
     outputs: dict
     devices: list
+    value_ranges: dict = field(default_factory=dict)  # feed name -> (low, high) of its integer values
 
     def random_batch(self, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
-        """A batch of synthetic data for ``feeds``: normal floats, labels uniform over the classes.
+        """A batch of synthetic data for ``feeds``: normal floats, integers as the class docstring says.
 
         The first ``batch_size`` samples of ``sample_reader(n, seed)`` are exactly this batch, so a
         DataLoader-fed run and a feed-dict run can be compared.
@@ -79,20 +82,27 @@ class Network:
         return [np.random.default_rng([seed, i]) for i in range(len(self.feeds))]
 
     def _draw(self, rngs: list[np.random.Generator], n: int) -> dict[str, np.ndarray]:
-        num_classes = self.outputs["logits"].shape[-1]
         batch = {}
         for var, rng in zip(self.feeds, rngs):
             shape = (n, *var.shape[1:])
             dtype = np.dtype(paddle.base.data_feeder.convert_dtype(var.dtype))
-            if np.issubdtype(dtype, np.integer):
-                batch[var.name] = rng.integers(0, num_classes, size=shape, dtype=dtype)
+            if var.name in self.value_ranges:
+                low, high = self.value_ranges[var.name]
+                batch[var.name] = rng.integers(low, high, size=shape, dtype=np.int64).astype(dtype, copy=False)
+            elif np.issubdtype(dtype, np.integer):
+                batch[var.name] = rng.integers(0, self.outputs["logits"].shape[-1], size=shape, dtype=dtype)
             else:
                 batch[var.name] = rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
         return batch
 
 
+def _on_device(device: str, guarded: bool) -> ContextManager:
+    """``device_guard(device)`` when ``guarded``, else nothing: the unguarded reference has no devices."""
+    return device_guard(device) if guarded else contextlib.nullcontext()
+
+
 def _on_stage(stage: int, guarded: bool) -> ContextManager:
-    return device_guard(f"gpu:{stage}") if guarded else contextlib.nullcontext()
+    return _on_device(f"gpu:{stage}", guarded)
 
 
 def _distinct_init_seeds(startup: paddle.static.Program, seed: int) -> None:

@@ -22,10 +22,12 @@ class PipelineOptimizer:
     ``schedule``: "1F1B", or "F-then-B" (aliases "FThenB", "GPipe").
     ``micro_batch_size``: fixes the batch dimension of cut variables at rewrite time; otherwise it is
     fixed by the first batch.
+    ``recompute``: True (every stage) or a list of stage indices that keep only their inputs between
+    forward and backward and recompute the rest (activation checkpointing).
     """
 
     def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str = "1F1B",
-                 micro_batch_size: int | None = None):
+                 micro_batch_size: int | None = None, recompute: bool | list[int] = False):
         if not hasattr(optimizer, "minimize"):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, got {type(optimizer).__name__}")
         self.inner = optimizer
@@ -33,6 +35,7 @@ class PipelineOptimizer:
         self.schedule = canonical_name(schedule)
         check_micro_batch_size(micro_batch_size)
         self.micro_batch_size = micro_batch_size
+        self.recompute = recompute
         self.plan: Plan | None = None
 
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
@@ -41,7 +44,8 @@ class PipelineOptimizer:
         startup = startup_program or paddle.static.default_startup_program()
         result = self.inner.minimize(loss, startup_program=startup, parameters=parameters,
                                      no_grad_set=no_grad_set)
-        self.plan = build_plan(program, loss.name, self.num_microbatches, self.schedule, self.micro_batch_size)
+        self.plan = build_plan(program, loss.name, self.num_microbatches, self.schedule, self.micro_batch_size,
+                               self.recompute)
         setattr(program, PLAN_ATTR, self.plan)
         setattr(startup, PLAN_ATTR, self.plan)
         startup._staticpipe_is_startup = True

@@ -106,6 +106,7 @@ class Stage:
     parameters: tuple[str, ...] = ()
     persistables: tuple[str, ...] = ()  # every persistable variable this stage reads or writes
     grad_buffers: tuple[str, ...] = ()  # per-step gradient accumulators (not part of the state)
+    recompute: bool = False  # forward activations are recomputed in the backward section
 
 
 @dataclass
@@ -152,7 +153,7 @@ class Plan:
         for st in self.stages:
             counts = ", ".join(f"{k} {sec.num_compute_ops} ops" for k, sec in st.sections.items()
                                if k != INIT)
-            lines.append(f"  stage {st.index} on {st.device}: {counts}")
+            lines.append(f"  stage {st.index} on {st.device}: {counts}{' (recompute)' if st.recompute else ''}")
             lines.append(f"    parameters: {', '.join(st.parameters) or '-'}")
             data = [n for n, stages in self.data_vars.items() if st.index in stages]
             lines.append(f"    data fed here: {', '.join(data) or '-'}")

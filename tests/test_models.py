@@ -7,7 +7,7 @@ import pytest
 
 from staticpipe._paddle import np, paddle
 
-from models import BUILDERS, Network, build_convnet, build_mlp, build_resnet, stage_of
+from models import BUILDERS, Network, build_convnet, build_dlrm, build_gpt, build_mlp, build_resnet, stage_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,12 +17,28 @@ CASES = {
     "convnet-2": (build_convnet, 2),
     "convnet-3": (build_convnet, 3),
     "resnet50": (partial(build_resnet, depth=50, width=8, image_size=32), 4),
+    "gpt-2": (build_gpt, 2),
+    "gpt-3": (build_gpt, 3),
+    "gpt-4": (build_gpt, 4),
+    "dlrm-2": (build_dlrm, 2),
+    "dlrm-3": (build_dlrm, 3),
 }
 
 
+def _expected_devices(case: str, num_stages: int) -> list[str]:
+    if case.startswith("dlrm"):  # the embedding stage runs on the CPU
+        return ["cpu"] + [f"gpu:{k}" for k in range(num_stages - 1)]
+    return [f"gpu:{k}" for k in range(num_stages)]
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def pair(request) -> tuple[Network, Network]:
-    build, num_stages = CASES[request.param]
+def case(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pair(case) -> tuple[Network, Network]:
+    build, num_stages = CASES[case]
     return build(num_stages=num_stages), build(num_stages=num_stages, guarded=False)
 
 
@@ -44,10 +60,10 @@ def test_same_parameters(pair):
     assert len(_params(guarded)) > 0
 
 
-def test_guarded_ops_stay_on_declared_devices_and_feed_forward(pair):
+def test_guarded_ops_stay_on_declared_devices_and_feed_forward(case, pair):
     guarded, _ = pair
     devices = guarded.devices
-    assert devices == [f"gpu:{k}" for k in range(len(devices))]
+    assert devices == _expected_devices(case, CASES[case][1])
     producer_stage: dict[str, int] = {}
     used = set()
     for op in guarded.main.global_block().ops:
@@ -102,7 +118,7 @@ def test_sample_reader_replays_random_batch():
 
 
 def test_builders_registry():
-    assert set(BUILDERS) == {"mlp", "convnet", "resnet50", "resnet101", "resnet152"}
+    assert set(BUILDERS) == {"mlp", "convnet", "resnet50", "resnet101", "resnet152", "gpt", "dlrm"}
     net = BUILDERS["resnet101"](num_stages=2, width=8)
     # stem + 33 bottlenecks + head; 3 conv+bn per bottleneck, plus 4 projections and the stem's
     assert len([op for op in net.main.global_block().ops if op.type == "conv2d"]) == 1 + 33 * 3 + 4
@@ -136,3 +152,84 @@ def test_stage_of_splits_contiguously(num_layers, num_stages, sizes):
 def test_stage_of_rejects_bad_arguments(args, name):
     with pytest.raises(ValueError, match=name):
         stage_of(*args)
+
+
+# ------------------------------------------------------------------------------ gpt and dlrm specifics
+
+def _run_forward(net: Network, batch: dict, fetch: list) -> list[np.ndarray]:
+    exe = paddle.static.Executor(paddle.CPUPlace())
+    with paddle.static.scope_guard(paddle.static.Scope()):
+        exe.run(net.startup)
+        return exe.run(net.main, feed=batch, fetch_list=fetch)
+
+
+def _reader_stages(net: Network, name: str) -> set[int]:
+    return {net.devices.index(op.attr("op_device")) for op in net.main.global_block().ops
+            if name in op.input_arg_names}
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+def test_gpt_token_embedding_is_read_on_first_and_last_stage(num_stages):
+    net = build_gpt(num_stages=num_stages)
+    assert _reader_stages(net, "tok_embedding") == {0, num_stages - 1}
+    types = {op.type for op in net.main.global_block().ops if "tok_embedding" in op.input_arg_names}
+    assert types == {"lookup_table_v2", "matmul_v2"}  # the lookup and the tied output projection
+
+
+def test_gpt_attention_is_causal():
+    net = build_gpt(num_stages=2, guarded=False)
+    batch = net.random_batch(3, seed=4)
+    t = 9
+    changed = dict(batch, tokens=batch["tokens"].copy())
+    changed["tokens"][:, t:] = (changed["tokens"][:, t:] + 1) % 64
+    (before,), (after,) = (_run_forward(net, b, [net.outputs["logits"]]) for b in (batch, changed))
+    assert before.shape == (3, 16, 64)
+    np.testing.assert_allclose(after[:, :t], before[:, :t], rtol=0, atol=1e-6)
+    assert not np.allclose(after[:, t:], before[:, t:])  # the changed positions themselves do see it
+
+
+def test_gpt_data_and_sizes():
+    net = build_gpt(num_stages=2, vocab=50, seq_len=8)
+    batch = net.random_batch(300, seed=1)
+    assert [v.name for v in net.feeds] == ["tokens", "targets"]
+    assert batch["tokens"].dtype == np.int64 and batch["tokens"].shape == (300, 8)
+    assert batch["targets"].dtype == np.int64 and batch["targets"].shape == (300, 8, 1)
+    for ids in batch.values():
+        assert ids.min() == 0 and ids.max() == 49
+    names = [p.name for p in net.main.all_parameters()]
+    assert names[:2] == ["tok_embedding", "pos_embedding"]
+    # per block: 2 layer norms (2 params each) and 6 fc (q, k, v, out, mlp up, mlp down; w and b); final LN
+    assert len(names) == 2 + 4 * (2 * 2 + 6 * 2) + 2
+    with pytest.raises(ValueError, match="num_stages"):
+        build_gpt(num_stages=5)  # more stages than the 4 blocks
+
+
+def test_gpt_dropout_builds_dropout_ops():
+    net = build_gpt(num_stages=2, dropout=0.1)
+    assert any(op.type == "dropout" for op in net.main.global_block().ops)
+    assert not any(op.type == "dropout" for op in build_gpt(num_stages=2).main.global_block().ops)
+
+
+def test_dlrm_embeddings_on_cpu_and_data():
+    net = build_dlrm(num_stages=3, sparse_fields=3, vocab_size=20)
+    assert [v.name for v in net.feeds] == ["dense", "sparse_0", "sparse_1", "sparse_2", "label"]
+    for i in range(3):
+        assert _reader_stages(net, f"sparse_embedding_{i}") == {0}
+    assert {op.attr("op_device") for op in net.main.global_block().ops if op.type == "lookup_table_v2"} == {"cpu"}
+    batch = net.random_batch(200, seed=2)
+    assert batch["dense"].dtype == np.float32 and batch["dense"].shape == (200, 8)
+    for i in range(3):
+        ids = batch[f"sparse_{i}"]
+        assert ids.dtype == np.int64 and ids.shape == (200, 1) and ids.min() >= 0 and ids.max() < 20
+    assert batch["label"].dtype == np.float32 and set(np.unique(batch["label"])) == {0.0, 1.0}
+    loss, prob, logits = _run_forward(net, batch, [net.loss, net.outputs["probability"], net.outputs["logits"]])
+    assert prob.shape == logits.shape == (200, 1)
+    np.testing.assert_allclose(prob, 1 / (1 + np.exp(-logits)), rtol=1e-5)
+    assert np.isfinite(loss)
+
+
+def test_dlrm_rejects_single_stage():
+    with pytest.raises(ValueError, match="num_stages"):
+        build_dlrm(num_stages=1)
+    with pytest.raises(ValueError, match="num_stages"):
+        build_dlrm(num_stages=6)  # 1 CPU stage + at most 4 MLP layers' GPU stages

@@ -6,6 +6,7 @@ values near zero, where float32 summation order alone moves the last digits).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import partial
 
@@ -160,3 +161,140 @@ def test_tied_embedding_is_identical_on_every_stage_that_reads_it():
         first, last = (np.array(exe.scope_of(d).find_var("embedding").get_tensor()) for d in ("gpu:0", "gpu:2"))
         np.testing.assert_array_equal(first, last)
     assert exe.scope_of("gpu:1").find_var("embedding") is None
+
+
+# ------------------------------------------------------------------------- batch norm and dropout
+
+def gradient_merge_twins(builder, make_opt, microbatches=4, steps=3, batch_size=16, eval_program=False):
+    """The exact single-device reference for layers that see micro-batches (batch norm, dropout): the
+    unsplit program trained with Paddle's GradientMergeOptimizer, one executor run per micro-batch, the
+    update applied every ``microbatches`` runs with averaged gradients. This is also what Paddle's own
+    pipeline computes: batch-norm statistics per micro-batch."""
+    ref, pipe = builder(guarded=False), builder()
+    with paddle.static.program_guard(ref.main, ref.startup), paddle.utils.unique_name.guard():
+        ref_test = ref.main.clone(for_test=True)
+        paddle.incubate.optimizer.GradientMergeOptimizer(make_opt(), k_steps=microbatches, avg=True).minimize(ref.loss)
+    pipe_test = pipe.main.clone(for_test=True)
+    minimize(pipe, make_opt(), dict(num_microbatches=microbatches))
+    ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    ref_exe.run(ref.startup, scope=scope)
+    exe = staticpipe.Executor()
+    exe.run(pipe.startup)
+    initial = exe.state_dict(pipe.main)
+    exe.set_state_dict(pipe.main, {k: np.array(scope.find_var(k).get_tensor()) for k in initial})
+    initial = exe.state_dict(pipe.main)
+    mb = batch_size // microbatches
+    for step in range(steps):
+        batch = ref.random_batch(batch_size, seed=step)
+        for m in range(microbatches):
+            ref_exe.run(ref.main, feed={k: v[m * mb:(m + 1) * mb] for k, v in batch.items()}, scope=scope)
+        exe.run(pipe.main, feed=batch)
+    trained = exe.state_dict(pipe.main)
+    assert any(not np.array_equal(trained[k], v) for k, v in initial.items())
+    for name, value in trained.items():
+        np.testing.assert_allclose(value, np.array(scope.find_var(name).get_tensor()), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    batch = ref.random_batch(batch_size, seed=99)
+    return (ref_exe.run(ref_test, feed=batch, fetch_list=[ref.loss.name], scope=scope)[0],
+            exe.run(pipe_test, feed=batch, fetch_list=[pipe.loss.name])[0], trained)
+
+
+def test_batch_norm_statistics_per_microbatch_and_eval_uses_trained_statistics():
+    from models import build_resnet
+    ref_eval, pipe_eval, trained = gradient_merge_twins(
+        partial(build_resnet, depth=50, num_stages=3, width=8, image_size=16),
+        lambda: P.Momentum(0.05, momentum=0.9))
+    assert any("batch_norm" in k and k.endswith(".w_1") for k in trained)  # running means are state
+    np.testing.assert_allclose(pipe_eval, ref_eval, rtol=1e-5)
+
+
+@dataclass
+class DropoutNet:
+    main: paddle.static.Program
+    startup: paddle.static.Program
+    loss: paddle.static.Variable
+
+    def random_batch(self, batch_size, seed=0):
+        rng = np.random.default_rng(seed)
+        return {"features": rng.standard_normal((batch_size, 16)).astype("float32"),
+                "label": rng.integers(0, 4, (batch_size, 1)).astype("int64")}
+
+
+def dropout_net(guarded=True):
+    """Two stages with dropout after every hidden layer; the program's random seed fixes the masks."""
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    main.random_seed = startup.random_seed = 5
+
+    def on(device):
+        return staticpipe.device_guard(device) if guarded else paddle.static.device_guard(None)
+
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        with on("gpu:0"):
+            x = paddle.static.data("features", [None, 16], "float32")
+            h = paddle.nn.functional.dropout(paddle.static.nn.fc(x, 32, activation="relu"), 0.5)
+        with on("gpu:1"):
+            label = paddle.static.data("label", [None, 1], "int64")
+            h = paddle.nn.functional.dropout(paddle.static.nn.fc(h, 32, activation="relu"), 0.5)
+            loss = paddle.mean(paddle.nn.functional.cross_entropy(paddle.static.nn.fc(h, 4), label))
+    return DropoutNet(main, startup, loss)
+
+
+def test_dropout_masks_are_reproducible_with_a_seed():
+    """With a program seed every dropout op draws the same mask per run, in the pipeline as in the
+    micro-batched reference; training twice gives identical parameters."""
+    _, _, first = gradient_merge_twins(dropout_net, lambda: P.SGD(0.1))
+    _, _, second = gradient_merge_twins(dropout_net, lambda: P.SGD(0.1))
+    for name, value in first.items():
+        np.testing.assert_array_equal(value, second[name], err_msg=name)
+
+
+# ------------------------------------------------------------------------------------- recompute
+
+@pytest.mark.parametrize("schedule", ["F-then-B", "1F1B"])
+def test_recompute_trains_identically_and_holds_less(schedule):
+    """Recompute changes where activations come from, not what is computed: parameters are identical
+    to the run without it, and each stage holds only its inputs between forward and backward."""
+    from models import build_resnet
+    builder = partial(build_resnet, depth=50, num_stages=2, width=8, image_size=16)
+    runs = {}
+    for recompute in (False, True):
+        net = builder()
+        minimize(net, P.Momentum(0.05, momentum=0.9),
+                 dict(num_microbatches=4, schedule=schedule, recompute=recompute))
+        exe = staticpipe.Executor()
+        exe.run(net.startup)
+        for step in range(2):
+            exe.run(net.main, feed=net.random_batch(16, seed=step))
+        runs[recompute] = exe.state_dict(net.main), exe.memory_stats(), staticpipe.plan_of(net.main)
+    (plain, plain_mem, _), (recomputed, recomputed_mem, plan) = runs[False], runs[True]
+    for name, value in plain.items():  # batch-norm running statistics included: updated once, not twice
+        np.testing.assert_array_equal(recomputed[name], value, err_msg=name)
+    for stage in (0, 1):
+        assert recomputed_mem[stage]["peak_activation_bytes"] < plain_mem[stage]["peak_activation_bytes"] / 4
+        assert recomputed_mem[stage]["peak_inflight_microbatches"] == plain_mem[stage]["peak_inflight_microbatches"]
+    assert plain_mem[0]["peak_inflight_microbatches"] == (4 if schedule == "F-then-B" else 2)
+    assert "(recompute)" in str(plan)
+
+
+def test_recompute_refuses_unseeded_dropout_and_unknown_stages():
+    def build(seeded):
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        if seeded:
+            main.random_seed = 3
+        with paddle.static.program_guard(main, startup):
+            with staticpipe.device_guard("gpu:0"):
+                x = paddle.static.data("x", [None, 4], "float32")
+                h = paddle.nn.functional.dropout(paddle.static.nn.fc(x, 4), 0.5)
+            with staticpipe.device_guard("gpu:1"):
+                loss = paddle.mean(paddle.static.nn.fc(h, 1))
+        return main, startup, loss
+
+    main, startup, loss = build(seeded=False)
+    with paddle.static.program_guard(main, startup), pytest.raises(ValueError, match=re.escape(
+            "recompute on stage 0: op #2 'dropout' draws new random numbers on every run, so its "
+            "recomputation would differ; set main_program.random_seed before building the network")):
+        staticpipe.PipelineOptimizer(P.SGD(0.1), num_microbatches=2, recompute=[0]).minimize(loss)
+    main, startup, loss = build(seeded=True)
+    with paddle.static.program_guard(main, startup), pytest.raises(ValueError, match=re.escape(
+            "recompute names stages [2], but the program has stages 0..1")):
+        staticpipe.PipelineOptimizer(P.SGD(0.1), num_microbatches=2, recompute=[2]).minimize(loss)

@@ -5,6 +5,8 @@ with send/recv ops and gradient accumulation) → schedule action lists lowered 
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from .._paddle import framework
 from ..plan import Plan
 from ..schedule import canonical_name, check_microbatches, lower, make_schedule
@@ -19,13 +21,26 @@ def check_micro_batch_size(micro_batch_size: object) -> None:
 
 
 def build_plan(program: framework.Program, loss_name: str, num_microbatches: int = 1,
-               schedule: str = "1F1B", micro_batch_size: int | None = None) -> Plan:
-    """Split ``program`` (forward, backward and optimizer ops, tagged by ``device_guard``) into a Plan."""
+               schedule: str = "1F1B", micro_batch_size: int | None = None,
+               recompute: bool | Iterable[int] = False) -> Plan:
+    """Split ``program`` (forward, backward and optimizer ops, tagged by ``device_guard``) into a Plan.
+
+    ``recompute``: True for every stage, or the stage indices whose activations are recomputed.
+    """
     check_microbatches(num_microbatches)
     schedule = canonical_name(schedule)
     check_micro_batch_size(micro_batch_size)
     assignment = assign_stages(program)
-    stages, routes, data_vars, producers = build_sections(program, assignment, num_microbatches, micro_batch_size)
+    num_stages = len(assignment.devices)
+    if recompute is True or recompute is False:
+        recompute_stages = frozenset(range(num_stages)) if recompute else frozenset()
+    else:
+        recompute_stages = frozenset(recompute)
+        bad = sorted(s for s in recompute_stages if not (isinstance(s, int) and 0 <= s < num_stages))
+        if bad:
+            raise ValueError(f"recompute names stages {bad}, but the program has stages 0..{num_stages - 1}")
+    stages, routes, data_vars, producers = build_sections(program, assignment, num_microbatches, micro_batch_size,
+                                                          recompute_stages)
     block = program.global_block()
     data_specs = {}
     for name in data_vars:

@@ -25,6 +25,7 @@ from .stages import BWD, FWD, StageAssignment, op_label
 
 MERGED_SUFFIX = "@MERGED"
 PARTIAL_SUFFIX = "@STAGE_PARTIAL"
+RECOMPUTE_SUFFIX = "@RECOMPUTE"
 
 
 @dataclass
@@ -68,9 +69,13 @@ def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str
 
 
 def build_sections(program: framework.Program, assignment: StageAssignment, num_microbatches: int,
-                   micro_batch_size: int | None) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]],
-                                                       dict[str, SectionRef]]:
-    """Return (stages, routes, data variable -> stages that read it, per-micro-batch var -> producer)."""
+                   micro_batch_size: int | None, recompute: frozenset[int] = frozenset()
+                   ) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]], dict[str, SectionRef]]:
+    """Return (stages, routes, data variable -> stages that read it, per-micro-batch var -> producer).
+
+    Stages in ``recompute`` keep only their inputs between forward and backward; their backward section
+    starts with a second run of the forward ops.
+    """
     block = program.global_block()
     p = len(assignment.devices)
     by_section: dict[SectionRef, list[int]] = defaultdict(list)
@@ -135,11 +140,17 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
         # gradients accumulated here: owned parameters' gradients and partials of shared parameters
         merge = {g: p_ for p_, g in grads.items() if assignment.param_stage.get(p_) == s}
         merge.update({sp.name: sp.param for sp in partials if sp.stage == s})
-        stage = Stage(index=s, device=device)
-        for kind in PER_MICROBATCH:
-            stage.sections[kind] = _per_microbatch_section(
-                block, secs[SectionRef(s, kind)], routes, device, micro_batch_size, merge, num_microbatches,
-                drops)
+        stage = Stage(index=s, device=device, recompute=s in recompute)
+        fwd, bwd = secs[SectionRef(s, FORWARD)], secs[SectionRef(s, BACKWARD)]
+        if stage.recompute:
+            _check_recomputable(block, fwd)
+            sent = {v.name for r in routes if r.src == fwd.ref for v in r.vars}
+            fwd.keep = {n for n in fwd.keep if n not in fwd.writes} | sent
+        stage.sections[FORWARD] = _per_microbatch_section(
+            block, fwd, routes, device, micro_batch_size, merge, num_microbatches, drops)
+        stage.sections[BACKWARD] = _per_microbatch_section(
+            block, bwd, routes, device, micro_batch_size, merge, num_microbatches, drops,
+            recompute=fwd.ops if stage.recompute else [])
         stage.sections[OPTIMIZE] = _optimize_section(block, s, device, placement.ops[s], grads, merge,
                                                      partials, assignment)
         stage.sections[INIT] = _init_section(block, s, device, merge)
@@ -162,9 +173,18 @@ def _cut_var(block: framework.Block, name: str, as_name: str | None = None) -> C
     return CutVar(as_name or name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
 
 
+def _check_recomputable(block: framework.Block, fwd: SectionOps) -> None:
+    for i in fwd.ops:
+        op = block.ops[i]
+        if op.has_attr("fix_seed") and not op.attr("fix_seed"):
+            raise ValueError(f"recompute on stage {fwd.ref.stage}: {op_label(i, op)} draws new random numbers on "
+                             "every run, so its recomputation would differ; set main_program.random_seed "
+                             "before building the network (or pass a seed to the op)")
+
+
 def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: list[Route], device: str,
                             micro_batch_size: int | None, merge: dict[str, str], num_microbatches: int,
-                            drops: dict[int, set[str]]) -> Section:
+                            drops: dict[int, set[str]], recompute: list[int] = ()) -> Section:
     role = ROLE_BACKWARD if sec.ref.kind == BACKWARD else 0
     prog = paddle.static.Program()
     dst = prog.global_block()
@@ -189,6 +209,26 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
     for i in sec.ops:
         produced.update(block.ops[i].output_arg_names)
     grads_here = [g for g in merge if g in produced]
+
+    def recompute_edit(i: int, desc: core.OpDesc) -> None:
+        """A second forward run must not update state again (batch-norm running statistics): its
+        persistable outputs go to copies (seeded from the state where the op reads it in place)."""
+        for name in desc.output_arg_names():
+            if block._var_recursive(name).persistable:
+                desc._rename_output(name, name + RECOMPUTE_SUFFIX)
+                desc._rename_input(name, name + RECOMPUTE_SUFFIX)
+
+    for i in recompute:
+        op = block.ops[i]
+        for name in op.output_arg_names:
+            var = block._var_recursive(name)
+            if var.persistable:
+                declare_var(dst, var)
+                dst.create_var(name=name + RECOMPUTE_SUFFIX, shape=var.shape, dtype=var.dtype)
+                if name in op.input_arg_names:
+                    append_tagged_op(dst, "assign", device, ROLE_BACKWARD, inputs={"X": [name]},
+                                     outputs={"Out": [name + RECOMPUTE_SUFFIX]})
+        copy_ops(dst, block, [i], edit=recompute_edit)
     copy_ops(dst, block, sec.ops, edit=edit, persistable=set(grads_here))
     for g in grads_here:  # accumulate: g@MERGED += g
         merged = _declare_merged(dst, block, g)

@@ -86,7 +86,8 @@ class Executor:
         - a startup program of a pipelined program: initialise once on the host, then give each stage
           its parameters and state on its own place;
         - a pipelined main program: one training step on the global batch ``feed``;
-        - any other program: plain Paddle execution on ``place``.
+        - any other program: plain Paddle execution on ``place``, with the parameters and state the
+          stages hold (so an evaluation clone of a pipelined program sees the trained values).
         """
         program = program if program is not None else paddle.static.default_main_program()
         plan = plan_of(program)
@@ -96,8 +97,21 @@ class Executor:
         if plan is not None:
             self._set_learning_rate(program, plan)
             return self._step(plan, feed or {}, _names(fetch_list))
+        self._gather_state(program)
         return self._plain.run(program, feed=feed, fetch_list=fetch_list, scope=self._plain_scope,
                                return_numpy=return_numpy)
+
+    def _gather_state(self, program: framework.Program) -> None:
+        """Copy the trained values the stages hold into the scope of unsplit runs, so that a program
+        without a plan (an evaluation clone, ``main.clone(for_test=True)``) sees the current state."""
+        for var in program.list_vars():
+            if not var.persistable:
+                continue
+            for worker in self._workers.values():
+                found = worker.scope.find_var(var.name)
+                if found is not None and found.get_tensor()._is_initialized():
+                    self._plain_scope.var(var.name).get_tensor().set(np.array(found.get_tensor()), self.place)
+                    break
 
     def _run_startup(self, startup: framework.Program, plan: Plan) -> None:
         host = core.Scope()
@@ -270,6 +284,19 @@ class Executor:
             if action.kind.value in ("F", "B", "OPT"):
                 busy[action.stage] = busy.get(action.stage, 0.0) + end - start
         return busy
+
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        """Per stage, the peak activation bytes and micro-batches held between forward and backward
+        since the executor was created (or ``reset_memory_stats``)."""
+        stats = {}
+        for worker in self._workers.values():
+            for stage, m in worker.memory.items():
+                stats[stage] = {"peak_activation_bytes": m.peak_bytes, "peak_inflight_microbatches": m.peak_microbatches}
+        return dict(sorted(stats.items()))
+
+    def reset_memory_stats(self) -> None:
+        for worker in self._workers.values():
+            worker.memory.clear()
 
     # --- state --------------------------------------------------------------------------------------
     def state_dict(self, program: framework.Program) -> dict[str, np.ndarray]:

@@ -48,6 +48,22 @@ class StepResult:
     fetched: dict[str, list[np.ndarray]] = field(default_factory=dict)
 
 
+@dataclass
+class MemoryStats:
+    """Activations a stage holds between a micro-batch's forward and its backward."""
+
+    inflight_bytes: int = 0
+    inflight_microbatches: int = 0
+    peak_bytes: int = 0
+    peak_microbatches: int = 0
+
+    def add(self, nbytes: int, microbatches: int) -> None:
+        self.inflight_bytes += nbytes
+        self.inflight_microbatches += microbatches
+        self.peak_bytes = max(self.peak_bytes, self.inflight_bytes)
+        self.peak_microbatches = max(self.peak_microbatches, self.inflight_microbatches)
+
+
 class DeviceWorker:
     """State of one device: its root scope, place, executor and prepared sections."""
 
@@ -58,6 +74,8 @@ class DeviceWorker:
         self._free: list[core._Scope] = []
         self._cuda = isinstance(place, core.CUDAPlace)
         self._programs: list = []  # keeps alive the programs whose descs prepared contexts use
+        self.memory: dict[int, MemoryStats] = {}  # stage -> activation memory
+        self._held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes kept after its forward
 
     # --- sections -----------------------------------------------------------------------------------
     def _prepared(self, plan: Plan, stage: int, kind: str, keep: tuple[str, ...]) -> Any:
@@ -98,10 +116,10 @@ class DeviceWorker:
                     job.record(action, started, time.perf_counter())
                 key = (action.stage, action.microbatch)
                 if action.microbatch is not None and last_use[key] == i:
-                    self._release(plan, action.stage, scopes.pop(key))
+                    self._release(plan, action.stage, action.microbatch, scopes.pop(key))
         finally:  # a failed step leaves no half-used micro-batch scope behind
-            for (stage, _), scope in scopes.items():
-                self._release(plan, stage, scope)
+            for (stage, mb), scope in scopes.items():
+                self._release(plan, stage, mb, scope)
         return result
 
     def _run_action(self, job: StepJob, a: Action, scopes: dict, result: StepResult) -> None:
@@ -132,6 +150,9 @@ class DeviceWorker:
                     scope.var(name).get_tensor().set(value, self.place)
             names = job.fetch.get((a.stage, kind), ())
             self.run_section(plan, a.stage, kind, scope, names)
+            if a.kind is Kind.F:
+                held = self._held[key] = _bytes(scope, plan.stages[a.stage].sections[FORWARD].keep)
+                self.memory.setdefault(a.stage, MemoryStats()).add(held, 1)
             for name in names:
                 result.fetched.setdefault(name, []).append(np.array(_tensor(scope, name, a)))
 
@@ -181,8 +202,11 @@ class DeviceWorker:
         if self._cuda:  # kernels run on the device's own stream; values leave it only once they are done
             core._cuda_synchronize(self.place)
 
-    def _release(self, plan: Plan, stage: int, scope: core._Scope) -> None:
+    def _release(self, plan: Plan, stage: int, microbatch: int, scope: core._Scope) -> None:
         """Erase what a micro-batch left in its scope, so a reused scope can never serve stale values."""
+        held = self._held.pop((stage, microbatch), None)
+        if held is not None:
+            self.memory[stage].add(-held, -1)
         fwd = plan.stages[stage].sections[FORWARD]
         names = set(fwd.keep) | set(fwd.feeds)
         for r in plan.routes:
@@ -197,6 +221,17 @@ def _tensor(scope: core._Scope, name: str, action: Action | str) -> core.LoDTens
     if var is None or not var.get_tensor()._is_initialized():
         raise RuntimeError(f"variable '{name}' has no value in {action}")
     return var.get_tensor()
+
+
+def _bytes(scope: core._Scope, names: tuple[str, ...]) -> int:
+    total = 0
+    for name in names:
+        var = scope.find_var(name)
+        if var is not None:
+            tensor = var.get_tensor()
+            if tensor._is_initialized():
+                total += tensor._numel() * core.size_of_dtype(tensor._dtype())
+    return total
 
 
 def _check_cut(var, tensor: core.LoDTensor, micro_batch_size: int | None) -> None:
