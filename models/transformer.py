@@ -21,8 +21,8 @@ def _dropout(x: Variable, p: float) -> Variable:
     return F.dropout(x, p=p, training=True) if p > 0 else x
 
 
-def _fc(x: Variable, size: int, act: str | None = None) -> Variable:
-    return paddle.static.nn.fc(x, size, num_flatten_dims=2, activation=act)
+def _fc(x: Variable, size: int, act: str | None = None, bias: bool = True) -> Variable:
+    return paddle.static.nn.fc(x, size, num_flatten_dims=2, activation=act, bias_attr=None if bias else False)
 
 
 def _layer_norm(x: Variable) -> Variable:
@@ -38,7 +38,9 @@ def _attention(x: Variable, n_heads: int, dropout: float) -> Variable:
         return paddle.transpose(paddle.reshape(t, [0, 0, n_heads, d_head]), [0, 2, 1, 3])
 
     q = split_heads(_fc(x, d_model))
-    k = split_heads(_fc(x, d_model))
+    # No key bias: it adds the same score to every key of a query, which softmax cancels, so its true
+    # gradient is zero and Adam would only amplify rounding noise in it.
+    k = split_heads(_fc(x, d_model, bias=False))
     v = split_heads(_fc(x, d_model))
     scores = paddle.scale(paddle.matmul(q, k, transpose_y=True), scale=d_head ** -0.5)  # [B, H, S, S]
     # Built by each block under its own guard, so no stage reads another stage's constant.

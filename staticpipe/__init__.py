@@ -7,6 +7,7 @@ from .optimizer import PipelineOptimizer
 from .placement import Device, device_guard, parse_device
 from .plan import Plan
 from .runtime import Executor, StageError, plan_of
+from .verify import VerifyReport, verify
 
 __all__ = ["Device", "device_guard", "parse_device", "PipelineOptimizer", "Plan", "Executor", "StageError",
-           "plan_of", "io", "schedule"]
+           "plan_of", "io", "schedule", "verify", "VerifyReport"]

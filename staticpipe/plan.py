@@ -85,6 +85,8 @@ class Section:
     keep: tuple[str, ...] = ()  # values this section must keep for later sections of the same micro-batch
     recv_routes: tuple[int, ...] = ()
     send_routes: tuple[int, ...] = ()
+    source_ops: tuple[int, ...] = ()  # indices of the user program's ops this section runs
+    recomputed_ops: tuple[int, ...] = ()  # forward ops run a second time here (recompute)
 
     @property
     def num_compute_ops(self) -> int:
@@ -121,6 +123,7 @@ class Plan:
     loss: str
     producers: dict[str, SectionRef] = field(default_factory=dict)  # per-micro-batch var -> its section
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shared parameter -> stages reading it
+    replicated: dict[int, str] = field(default_factory=dict)  # user op index -> why every stage runs it
     micro_batch_size: int | None = None
     notes: list[str] = field(default_factory=list)
 

@@ -59,3 +59,19 @@ def assert_same_training(twin: Twin, rtol: float = 1e-5, atol: float = 1e-6) -> 
     assert twin.pipe_params.keys() == twin.ref_params.keys()
     for name, ref in twin.ref_params.items():
         np.testing.assert_allclose(twin.pipe_params[name], ref, rtol=rtol, atol=atol, err_msg=name)
+
+
+def assert_adam_family_training(twin: Twin, lr: float, steps: int) -> None:
+    """Adam divides each update by sqrt(v) + eps. Where a coordinate's gradient is as small as the
+    float32 rounding of summing micro-batches (~1e-8, the size of eps; a key projection's bias has an
+    exactly-zero true gradient: 128 of the test GPT's 53,440 coordinates), the two runs' rounding noise
+    becomes updates of up to lr. So at most 0.5 % of coordinates may differ, by at most lr per step;
+    every loss matches to rtol 1e-5."""
+    np.testing.assert_allclose(twin.pipe_losses, twin.ref_losses, rtol=1e-5)
+    off = total = 0
+    for name, ref in twin.ref_params.items():
+        got = twin.pipe_params[name]
+        off += int((~np.isclose(got, ref, rtol=1e-5, atol=1e-6)).sum())
+        total += ref.size
+        assert np.max(np.abs(got - ref)) <= steps * lr, name
+    assert off <= total // 200, f"{off} of {total} coordinates differ"

@@ -199,7 +199,7 @@ def test_gpt_data_and_sizes():
     names = [p.name for p in net.main.all_parameters()]
     assert names[:2] == ["tok_embedding", "pos_embedding"]
     # per block: 2 layer norms (2 params each) and 6 fc (q, k, v, out, mlp up, mlp down; w and b); final LN
-    assert len(names) == 2 + 4 * (2 * 2 + 6 * 2) + 2
+    assert len(names) == 2 + 4 * (2 * 2 + 6 * 2 - 1) + 2  # the key projection has no bias
     with pytest.raises(ValueError, match="num_stages"):
         build_gpt(num_stages=5)  # more stages than the 4 blocks
 

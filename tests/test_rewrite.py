@@ -107,10 +107,9 @@ def test_stages_numbered_by_first_forward_use_of_each_device():
     assert [[op.input("Param") for op in ops(s.sections[OPTIMIZE]) if op.type == "momentum"]
             for s in plan.stages] == [[["fc_0.b_0"], ["fc_0.w_0"]], [["fc_1.b_0"], ["fc_1.w_0"]]]
     assert types(plan.stages[0].sections[BACKWARD]) == [
-        "recv_v2", "elementwise_add_grad", "mul_grad", "elementwise_add", "elementwise_add"]
+        "recv_v2", "elementwise_add_grad", "mul_grad", "sum", "sum"]
     assert types(plan.stages[1].sections[BACKWARD]) == [
-        "fill_constant", "reduce_mean_grad", "elementwise_add_grad", "mul_grad", "elementwise_add",
-        "elementwise_add", "send_v2"]
+        "fill_constant", "reduce_mean_grad", "elementwise_add_grad", "mul_grad", "sum", "sum", "send_v2"]
 
 
 def test_stage_parameters_of_a_three_stage_mlp():
@@ -559,9 +558,9 @@ def test_gradients_merge_into_buffers_that_the_optimizer_reads():
         # backward: the copied ops, then one accumulation per gradient, then the sends
         bwd = [op for op in ops(st.sections[BACKWARD]) if op.type != "send_v2"]
         adds = bwd[-len(grads):]
-        assert [(op.type, op.input("X"), op.input("Y"), op.output("Out"), op.attr("op_role")) for op in adds] == [
-            ("elementwise_add", [m], [g], [m], 1) for g, m in zip(grads, merged)]
-        assert not any(op.type == "elementwise_add" and op.output("Out")[0].endswith(MERGED_SUFFIX)
+        assert [(op.type, op.input("X"), op.output("Out"), op.attr("op_role")) for op in adds] == [
+            ("sum", [m, g], [m], 1) for g, m in zip(grads, merged)]
+        assert not any(op.type == "sum" and op.output("Out")[0].endswith(MERGED_SUFFIX)
                        for op in bwd[:-len(grads)])
         assert all(op.type != "send_v2" for op in ops(st.sections[BACKWARD])[:len(bwd)])
         block = st.sections[BACKWARD].program.global_block()
@@ -607,7 +606,7 @@ def _is_added(op, kind):
     out = op.output_arg_names
     merged = bool(out) and out[0].endswith(MERGED_SUFFIX)
     if kind == BACKWARD:
-        return op.type == "elementwise_add" and merged
+        return op.type == "sum" and merged
     if kind in (OPTIMIZE, INIT):
         return op.type == "fill_constant" and merged
     return False

@@ -39,7 +39,7 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
         bad = sorted(s for s in recompute_stages if not (isinstance(s, int) and 0 <= s < num_stages))
         if bad:
             raise ValueError(f"recompute names stages {bad}, but the program has stages 0..{num_stages - 1}")
-    stages, routes, data_vars, producers = build_sections(program, assignment, num_microbatches, micro_batch_size,
+    stages, routes, data_vars, producers, replicated = build_sections(program, assignment, num_microbatches, micro_batch_size,
                                                           recompute_stages)
     block = program.global_block()
     data_specs = {}
@@ -54,7 +54,7 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
     actions = lower(make_schedule(schedule, len(stages), num_microbatches), routes)
     return Plan(stages=stages, routes=routes, num_microbatches=num_microbatches, schedule=schedule,
                 actions=actions, data_vars=data_vars, data_specs=data_specs, loss=loss_name, producers=producers,
-                micro_batch_size=micro_batch_size, shared=dict(assignment.shared))
+                micro_batch_size=micro_batch_size, shared=dict(assignment.shared), replicated=replicated)
 
 
 __all__ = ["build_plan", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]

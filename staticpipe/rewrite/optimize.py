@@ -49,6 +49,7 @@ class SharedPartial:
 @dataclass
 class OptimizePlacement:
     ops: dict[int, list[int | Reduction]]  # stage -> ops to copy (index) or reductions, in program order
+    replicated: dict[int, str]  # op -> why it runs on several stages
 
 
 def place_optimize_ops(block: framework.Block, assignment: StageAssignment,
@@ -103,13 +104,18 @@ def place_optimize_ops(block: framework.Block, assignment: StageAssignment,
             needed[s].update(reductions[i][s] if i in reductions else op.input_arg_names)
 
     ops: dict[int, list[int | Reduction]] = {s: [] for s in range(p)}
+    replicated: dict[int, str] = {}
     for i in op_ids:
         for s in run_on[i]:
             if i in reductions:
                 ops[s].append(Reduction(i, block.ops[i].output("Out")[0], tuple(reductions[i][s])))
             else:
                 ops[s].append(i)
-    return OptimizePlacement(ops)
+        if i in reductions:
+            replicated[i] = "cross-stage sum: per-stage partial sums and an all-reduce"
+        elif placed[i] == GLOBAL:
+            replicated[i] = f"stage-free value needed on stages {run_on[i]}"
+    return OptimizePlacement(ops, replicated)
 
 
 def shared_partials(block: framework.Block, assignment: StageAssignment,

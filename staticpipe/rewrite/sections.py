@@ -70,8 +70,10 @@ def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str
 
 def build_sections(program: framework.Program, assignment: StageAssignment, num_microbatches: int,
                    micro_batch_size: int | None, recompute: frozenset[int] = frozenset()
-                   ) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]], dict[str, SectionRef]]:
-    """Return (stages, routes, data variable -> stages that read it, per-micro-batch var -> producer).
+                   ) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]], dict[str, SectionRef],
+                              dict[int, str]]:
+    """Return (stages, routes, data variable -> stages that read it, per-micro-batch var -> producer,
+    replicated op -> why).
 
     Stages in ``recompute`` keep only their inputs between forward and backward; their backward section
     starts with a second run of the forward ops.
@@ -160,7 +162,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
             v.name for sec in stage.sections.values() for v in sec.program.list_vars()
             if v.persistable and v.name not in merge}))
         stages.append(stage)
-    return stages, routes, {k: tuple(v) for k, v in data_vars.items()}, producer
+    return stages, routes, {k: tuple(v) for k, v in data_vars.items()}, producer, placement.replicated
 
 
 def _cut_var(block: framework.Block, name: str, as_name: str | None = None) -> CutVar:
@@ -230,15 +232,15 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
                                      outputs={"Out": [name + RECOMPUTE_SUFFIX]})
         copy_ops(dst, block, [i], edit=recompute_edit)
     copy_ops(dst, block, sec.ops, edit=edit, persistable=set(grads_here))
-    for g in grads_here:  # accumulate: g@MERGED += g
+    for g in grads_here:  # accumulate: g@MERGED += g (sum also adds sparse rows of embedding gradients)
         merged = _declare_merged(dst, block, g)
-        append_tagged_op(dst, "elementwise_add", device, ROLE_BACKWARD, inputs={"X": [merged], "Y": [g]},
-                         outputs={"Out": [merged]}, attrs={"axis": -1})
+        append_tagged_op(dst, "sum", device, ROLE_BACKWARD, inputs={"X": [merged, g]}, outputs={"Out": [merged]})
     for r in sends:
         for v in r.vars:
             append_comm_op(dst, "send_v2", v, r.dst.stage, device, role, micro_batch_size)
     return Section(sec.ref.stage, sec.ref.kind, prog, feeds=tuple(sec.feeds), keep=tuple(sorted(sec.keep)),
-                   recv_routes=tuple(r.index for r in recvs), send_routes=tuple(r.index for r in sends))
+                   recv_routes=tuple(r.index for r in recvs), send_routes=tuple(r.index for r in sends),
+                   source_ops=tuple(sec.ops), recomputed_ops=tuple(recompute))
 
 
 def _declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> str:
@@ -291,7 +293,8 @@ def _optimize_section(block: framework.Block, stage: int, device: str, ops: list
         elif stage in sharers:
             declare_var(dst, block._var_recursive(param))
             append_comm_op(dst, "recv_v2", var, assignment.param_stage[param], device, ROLE_OPTIMIZE, None)
-    return Section(stage, OPTIMIZE, prog)
+    return Section(stage, OPTIMIZE, prog,
+                   source_ops=tuple(item.op if isinstance(item, Reduction) else item for item in ops))
 
 
 def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction, device: str,
