@@ -5,14 +5,16 @@ Compared with: the unsplit program on 1 intra-op thread, the unsplit program on 
 model parallelism (the same two stages one after another, no micro-batches). Ratios > 1 favour the
 pipeline. On 2 cores the ideal over 1 thread is 2 * m / (m + p - 1) = 1.78.
 
-    python bench/throughput.py [--steps 3] [--batch 2048] [--microbatches 8] [--width 2048] [--depth 8]
+    python bench/throughput.py [--steps 5] [--batch 2048] [--microbatches 8] [--width 2048] [--depth 8]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,37 +33,28 @@ def build(args, guarded: bool, microbatches: int):
     return net
 
 
-def timed(step, steps: int) -> float:
-    """Seconds per step after one warm-up step."""
-    step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
-
-
-def pipeline(args, microbatches: int, batch) -> float:
+def pipeline(args, microbatches: int, batch) -> Callable[[], None]:
     net = build(args, True, microbatches)
     exe = staticpipe.Executor(threads_per_stage=1)
     exe.run(net.startup)
-    seconds = timed(lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss]), args.steps)
-    exe.close()
-    return seconds
+    return lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])
 
 
-def unsplit(args, threads: int, batch) -> float:
+def unsplit(args, threads: int, batch) -> Callable[[], None]:
     net = build(args, False, 1)
-    core.set_num_threads(threads)
     exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
     exe.run(net.startup, scope=scope)
-    seconds = timed(lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss], scope=scope), args.steps)
-    core.set_num_threads(1)
-    return seconds
+
+    def step() -> None:
+        core.set_num_threads(threads)
+        exe.run(net.main, feed=batch, fetch_list=[net.loss], scope=scope)
+        core.set_num_threads(1)
+    return step
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="timed rounds (one step of every configuration each)")
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--width", type=int, default=2048)
@@ -71,17 +64,28 @@ def main() -> None:
     batch = build_mlp(num_stages=2, guarded=False, in_dim=args.width, hidden=args.width,
                       depth=args.depth).random_batch(args.batch)
     print(f"MLP {args.depth} x {args.width}, global batch {args.batch}, {args.microbatches} micro-batches of "
-          f"{args.batch // args.microbatches}, {os.cpu_count()} CPU cores, {args.steps} timed steps each")
-    results = {
+          f"{args.batch // args.microbatches}, {os.cpu_count()} CPU cores, {args.steps} interleaved timed rounds")
+    steps = {
         "pipeline 2 stages x 1 thread": pipeline(args, args.microbatches, batch),
         "unsplit, 1 thread": unsplit(args, 1, batch),
         "unsplit, 2 threads": unsplit(args, 2, batch),
         "naive model parallel (2 stages, 1 micro-batch)": pipeline(args, 1, batch),
     }
+    # Interleaved rounds: a slow spell of the machine hits every configuration alike, and the median
+    # of each configuration's rounds is compared.
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():
+        step()  # warm-up
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    results = {name: statistics.median(t) for name, t in times.items()}
     base = results["pipeline 2 stages x 1 thread"]
-    print(f"{'configuration':<48} {'s/step':>8} {'samples/s':>10} {'pipeline speed-up':>18}")
+    print(f"{'configuration':<48} {'s/step (median)':>15} {'samples/s':>10} {'pipeline speed-up':>18}")
     for name, sec in results.items():
-        print(f"{name:<48} {sec:8.3f} {args.batch / sec:10.1f} {sec / base:17.2f}x")
+        print(f"{name:<48} {sec:15.3f} {args.batch / sec:10.1f} {sec / base:17.2f}x")
     m, p = args.microbatches, 2
     print(f"ideal pipeline speed-up over 1 thread: {2 * m / (m + p - 1):.2f}x; targets: >= 1.70x over "
           "unsplit-1-thread, >= 1.05x over unsplit-2-threads")

@@ -21,7 +21,7 @@ from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, ROLE_OPTIM
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, CutVar, Route, Section, SectionRef, Stage
 from .programs import EMPTY_VAR, append_comm_op, append_tagged_op, copy_ops, declare_var, np_dtype
 from .optimize import Reduction, SharedPartial, place_optimize_ops, shared_partials
-from .stages import BWD, FWD, StageAssignment, op_label
+from .stages import BWD, FWD, OPT, StageAssignment, op_label
 
 MERGED_SUFFIX = "@MERGED"
 PARTIAL_SUFFIX = "@STAGE_PARTIAL"
@@ -137,6 +137,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
               for k, ((src, dst), names) in enumerate(sorted(route_vars.items(),
                                                              key=lambda kv: (kv[0][0].order(p), kv[0][1].order(p))))]
     placement = place_optimize_ops(block, assignment, grads)
+    _check_sparse_updates(block, assignment, grads)
     stages = []
     for s, device in enumerate(assignment.devices):
         # gradients accumulated here: owned parameters' gradients and partials of shared parameters
@@ -173,6 +174,21 @@ def _cut_var(block: framework.Block, name: str, as_name: str | None = None) -> C
                          "move the ops that use it onto one stage")
     shape = tuple(int(d) for d in var.shape)
     return CutVar(as_name or name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
+
+
+def _check_sparse_updates(block: framework.Block, assignment: StageAssignment, grads: dict[str, str]) -> None:
+    """Sparse (SelectedRows) gradients are summed over micro-batches into a dense buffer. For SGD that is
+    exact; Paddle's sparse momentum and Adam kernels skip the rows absent from a batch, which a dense
+    sum cannot reproduce, so those combinations are refused instead of silently changing the update."""
+    sparse = {g for g in grads.values() if block._var_recursive(g).type == core.VarDesc.VarType.SELECTED_ROWS}
+    for i, op in enumerate(block.ops):
+        if assignment.role[i] == OPT and "Grad" in op.input_names and op.type != "sgd":
+            for g in op.input("Grad"):
+                if g in sparse:
+                    raise ValueError(
+                        f"optimizer {op_label(i, op)} updates '{g[:-len(GRAD_SUFFIX)]}' from a sparse gradient; "
+                        "micro-batch accumulation makes it dense, which changes this optimizer's sparse "
+                        "(lazy) update: use is_sparse=False for that embedding, or the SGD optimizer")
 
 
 def _check_recomputable(block: framework.Block, fwd: SectionOps) -> None:
