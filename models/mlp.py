@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Sequence
 
 from staticpipe._paddle import paddle
 
@@ -20,6 +21,7 @@ def build_mlp(
     depth: int = 4,
     num_classes: int = 10,
     seed: int = 1,
+    stage_devices: Sequence[str] | None = None,
 ) -> Network:
     """``depth`` Linear+ReLU layers of width ``hidden``, then a Linear to ``num_classes`` logits.
 
@@ -28,4 +30,5 @@ def build_mlp(
     """
     blocks: list[Block] = [partial(_dense, size=hidden, act="relu") for _ in range(depth - 1)]
     blocks.append(lambda x: _dense(_dense(x, hidden, "relu"), num_classes, None))
-    return build_classifier(blocks, [in_dim], num_stages, guarded, seed, input_name="features")
+    return build_classifier(blocks, [in_dim], num_stages, guarded, seed, input_name="features",
+                            stage_devices=stage_devices)

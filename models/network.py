@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Sequence
 
 from staticpipe._paddle import np, paddle
-from staticpipe.placement import device_guard
+from staticpipe.placement import device_guard, split_point
 
 Variable = paddle.static.Variable
 Block = Callable[[Variable], Variable]
@@ -125,24 +125,32 @@ def build_classifier(
     guarded: bool = True,
     seed: int = 1,
     input_name: str = "image",
+    stage_devices: Sequence[str] | None = None,
 ) -> Network:
     """Chain ``blocks`` into a classifier and close it with a cross-entropy loss and an accuracy.
 
     Block i runs on stage ``stage_of(i, len(blocks), num_stages)``; the input is created on stage 0
     and the label, loss and accuracy on the last stage. With ``guarded=False`` the same ops and
-    parameters are built with no device guard at all.
+    parameters are built with no device guard at all. ``stage_devices`` names each stage's device
+    (default "gpu:k" for stage k); a device may come back, e.g. ["gpu:0", "gpu:1", "gpu:0", "gpu:1"]
+    for an interleaved schedule's chunks.
     """
     stages = [stage_of(i, len(blocks), num_stages) for i in range(len(blocks))]
+    devices = list(stage_devices) if stage_devices is not None else [f"gpu:{k}" for k in range(num_stages)]
+    if len(devices) != num_stages:
+        raise ValueError(f"stage_devices names {len(devices)} devices for num_stages={num_stages}")
     paddle.enable_static()  # builders may be the first static-mode code a caller runs
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = seed
     with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
-        with _on_stage(0, guarded):
+        with _on_device(devices[0], guarded):
             x = features = paddle.static.data(input_name, [None, *input_shape], "float32")
-        for block, stage in zip(blocks, stages):
-            with _on_stage(stage, guarded):
+        for k, (block, stage) in enumerate(zip(blocks, stages)):
+            if guarded and k and stage != stages[k - 1]:
+                split_point()  # two stages may share a device (ZB-V's V layout)
+            with _on_device(devices[stage], guarded):
                 x = block(x)
-        with _on_stage(num_stages - 1, guarded):
+        with _on_device(devices[-1], guarded):
             label = paddle.static.data("label", [None, 1], "int64")
             loss = paddle.mean(paddle.nn.functional.cross_entropy(x, label, reduction="none"))
             # After the loss, so the loss's ops are the same with or without this output.
@@ -154,5 +162,5 @@ def build_classifier(
         feeds=[features, label],
         loss=loss,
         outputs={"logits": x, "accuracy": accuracy},
-        devices=[f"gpu:{k}" for k in range(num_stages)] if guarded else [],
+        devices=devices if guarded else [],
     )

@@ -6,6 +6,7 @@ persistable state (moving mean/variance) inside stages.
 from __future__ import annotations
 
 from functools import partial
+from typing import Sequence
 
 from staticpipe._paddle import paddle
 
@@ -52,6 +53,7 @@ def build_resnet(
     num_classes: int = 10,
     width: int = 64,
     seed: int = 1,
+    stage_devices: Sequence[str] | None = None,
 ) -> Network:
     """A bottleneck ResNet of ``depth`` layers on [N, 3, image_size, image_size] images.
 
@@ -68,4 +70,5 @@ def build_resnet(
             stride = 2 if i == 0 and level > 0 else 1
             blocks.append(partial(_bottleneck, channels=width * 2**level, stride=stride))
     blocks.append(partial(_head, num_classes=num_classes))
-    return build_classifier(blocks, [3, image_size, image_size], num_stages, guarded, seed)
+    return build_classifier(blocks, [3, image_size, image_size], num_stages, guarded, seed,
+                            stage_devices=stage_devices)

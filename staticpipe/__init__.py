@@ -4,10 +4,10 @@ build (device_guard) -> rewrite (PipelineOptimizer, Plan) -> schedule (action li
 """
 from . import io, schedule
 from .optimizer import PipelineOptimizer
-from .placement import Device, device_guard, parse_device
+from .placement import Device, device_guard, parse_device, split_point
 from .plan import Plan
 from .runtime import Executor, StageError, plan_of
 from .verify import VerifyReport, verify
 
-__all__ = ["Device", "device_guard", "parse_device", "PipelineOptimizer", "Plan", "Executor", "StageError",
+__all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError",
            "plan_of", "io", "schedule", "verify", "VerifyReport"]

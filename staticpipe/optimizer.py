@@ -10,7 +10,7 @@ from typing import Any
 
 from ._paddle import framework, paddle
 from .plan import Plan
-from .rewrite import build_plan, check_micro_batch_size
+from .rewrite import build_plan, check_micro_batch_size, custom_schedule
 from .runtime.executor import PLAN_ATTR
 from .schedule import canonical_name, check_microbatches
 
@@ -19,20 +19,22 @@ class PipelineOptimizer:
     """Wrap ``optimizer``; ``minimize`` splits the program into stages by its ``device_guard`` tags.
 
     ``num_microbatches``: micro-batches per global batch (gradients are accumulated over them).
-    ``schedule``: "1F1B", or "F-then-B" (aliases "FThenB", "GPipe").
+    ``schedule``: "1F1B", "F-then-B" (aliases "FThenB", "GPipe"), "interleaved" (several chunks per
+    device: guards cycling through the devices), "ZB-H1", "ZB-V" (zero bubble, backward split into B
+    and W), or a custom schedule: ``{rank: [Action, ...]}`` or its text (``rank 0: 0F0 0F1 ...``).
     ``micro_batch_size``: fixes the batch dimension of cut variables at rewrite time; otherwise it is
     fixed by the first batch.
     ``recompute``: True (every stage) or a list of stage indices that keep only their inputs between
     forward and backward and recompute the rest (activation checkpointing).
     """
 
-    def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str = "1F1B",
+    def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str | dict = "1F1B",
                  micro_batch_size: int | None = None, recompute: bool | list[int] = False):
         if not hasattr(optimizer, "minimize"):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, got {type(optimizer).__name__}")
         self.inner = optimizer
         self.num_microbatches = check_microbatches(num_microbatches)
-        self.schedule = canonical_name(schedule)
+        self.schedule = schedule if custom_schedule(schedule) is not None else canonical_name(schedule)
         check_micro_batch_size(micro_batch_size)
         self.micro_batch_size = micro_batch_size
         self.recompute = recompute

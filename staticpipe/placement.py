@@ -49,3 +49,19 @@ def device_guard(device: str) -> Iterator[Device]:
     parsed = parse_device(device)
     with paddle.static.device_guard(str(parsed)):
         yield parsed
+
+
+SPLIT_POINTS = "_staticpipe_split_points"  # Program attribute: op indices where a new stage starts
+
+
+def split_point(program: "paddle.static.Program | None" = None) -> None:
+    """Start a new stage here even if the device stays the same.
+
+    Schedules with several chunks per device (interleaved, ZB-V) cut the program into a new stage at
+    every change of device; a V layout puts two consecutive stages on one device (gpu:0, gpu:1, gpu:1,
+    gpu:0), which only a split point can separate. Schedules with one stage per device ignore it.
+    """
+    program = program if program is not None else paddle.static.default_main_program()
+    points = getattr(program, SPLIT_POINTS, set())
+    points.add(len(program.global_block().ops))
+    setattr(program, SPLIT_POINTS, points)

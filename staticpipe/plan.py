@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._paddle import paddle
 
-FORWARD, BACKWARD, OPTIMIZE, INIT = "forward", "backward", "optimize", "init"
-# Order of a micro-batch's sections through the pipeline: F0 < F1 < ... < B1 < B0.
-PER_MICROBATCH = (FORWARD, BACKWARD)
+FORWARD, BACKWARD, WEIGHT, OPTIMIZE, INIT = "forward", "backward", "weight", "optimize", "init"
+# Order of a micro-batch's sections through the pipeline: F0 < F1 < ... < B1 < B0, then the weight
+# gradients W (only for schedules that split the backward).
+PER_MICROBATCH = (FORWARD, BACKWARD, WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,11 @@ class SectionRef:
 
     def order(self, num_stages: int) -> int:
         """Position of this section in one micro-batch's path through the pipeline."""
-        return self.stage if self.kind == FORWARD else 2 * num_stages - 1 - self.stage
+        if self.kind == FORWARD:
+            return self.stage
+        if self.kind == BACKWARD:
+            return 2 * num_stages - 1 - self.stage
+        return 3 * num_stages - 1 - self.stage
 
     def __str__(self) -> str:
         return f"stage {self.stage} {self.kind}"
@@ -109,6 +114,7 @@ class Stage:
     persistables: tuple[str, ...] = ()  # every persistable variable this stage reads or writes
     grad_buffers: tuple[str, ...] = ()  # per-step gradient accumulators (not part of the state)
     recompute: bool = False  # forward activations are recomputed in the backward section
+    rank: int = 0  # the worker (device) that runs this stage
 
 
 @dataclass
@@ -117,7 +123,8 @@ class Plan:
     routes: list[Route]
     num_microbatches: int
     schedule: str
-    actions: dict[int, list]  # stage -> list of schedule Actions (with SEND/RECV)
+    actions: dict[int, list]  # rank -> list of schedule Actions (with SEND/RECV)
+    ranks: list[str]  # rank -> device; a device may hold several stages
     data_vars: dict[str, tuple[int, ...]]  # data variable -> stages that read it
     data_specs: dict[str, tuple[tuple[int, ...], str]]  # data variable -> (shape, dtype)
     loss: str
@@ -175,6 +182,6 @@ class Plan:
         for note in self.notes:
             lines.append(f"  note: {note}")
         lines.append(f"  actions ({self.schedule}):")
-        for stage, acts in sorted(self.actions.items()):
-            lines.append(f"    stage {stage}: {' '.join(str(a) for a in acts)}")
+        for rank, acts in sorted(self.actions.items()):
+            lines.append(f"    rank {rank} ({self.ranks[rank]}): {' '.join(str(a) for a in acts)}")
         return "\n".join(lines)

@@ -338,7 +338,8 @@ def test_fixed_batch_dimension_needs_one_microbatch():
 
 
 def test_unknown_schedule_is_rejected():
-    message = "unknown schedule 'Interleaved'; known schedules: F-then-B, FThenB, GPipe, 1F1B"
+    message = ("unknown schedule 'Interleaved'; known schedules: F-then-B (aliases FThenB, GPipe), 1F1B, "
+               "interleaved (aliases Interleaved1F1B, interleaved-1F1B), ZB-H1, ZB-V")
     with pytest.raises(ValueError, match=re.escape(message)):
         staticpipe.PipelineOptimizer(momentum(), num_microbatches=2, schedule="Interleaved")
     net = build(fixed_batch)
@@ -442,9 +443,9 @@ Plan: 2 stages, 4 micro-batches, schedule F-then-B, loss mean_0.tmp_0
     fc_2.tmp_2 [mb, 256] float32                 stage 0 forward -> stage 1 forward
     fc_2.tmp_2@GRAD [mb, 256] float32            stage 1 backward -> stage 0 backward
   actions (F-then-B):
-    stage 0: 0F0 0SEND_F0>1 0F1 0SEND_F1>1 0F2 0SEND_F2>1 0F3 0SEND_F3>1 0RECV_B0<1 0B0 0RECV_B1<1 0B1 \
+    rank 0 (gpu:0): 0F0 0SEND_F0>1 0F1 0SEND_F1>1 0F2 0SEND_F2>1 0F3 0SEND_F3>1 0RECV_B0<1 0B0 0RECV_B1<1 0B1 \
 0RECV_B2<1 0B2 0RECV_B3<1 0B3 0OPT
-    stage 1: 1RECV_F0<0 1F0 1RECV_F1<0 1F1 1RECV_F2<0 1F2 1RECV_F3<0 1F3 1B0 1SEND_B0>0 1B1 1SEND_B1>0 \
+    rank 1 (gpu:1): 1RECV_F0<0 1F0 1RECV_F1<0 1F1 1RECV_F2<0 1F2 1RECV_F3<0 1F3 1B0 1SEND_B0>0 1B1 1SEND_B1>0 \
 1B2 1SEND_B2>0 1B3 1SEND_B3>0 1OPT"""
 
 

@@ -1,4 +1,4 @@
-"""staticpipe.schedule: compute action lists, the registry, and lowering with SEND/RECV actions."""
+"""staticpipe.schedule: F-then-B and 1F1B action lists, the registry, and lowering with SEND/RECV actions."""
 from __future__ import annotations
 
 import re
@@ -6,12 +6,13 @@ import re
 import pytest
 
 from staticpipe.plan import BACKWARD, FORWARD, CutVar, Route, SectionRef
-from staticpipe.schedule import (SCHEDULES, Action, Kind, canonical_name, check_microbatches, f_then_b,
-                                 format_schedule, lower, make_schedule, one_f_one_b)
+from staticpipe.schedule import (Action, Kind, canonical_name, check_microbatches, f_then_b, format_schedule,
+                                 get_kind, lower, make_schedule, one_f_one_b)
 
 pytestmark = pytest.mark.timeout(120)
 
-KNOWN = "F-then-B, FThenB, GPipe, 1F1B"
+KNOWN = ("F-then-B (aliases FThenB, GPipe), 1F1B, interleaved (aliases Interleaved1F1B, interleaved-1F1B), "
+         "ZB-H1, ZB-V")
 
 
 def as_strings(schedule):
@@ -114,7 +115,7 @@ def test_action_objects_and_format():
     assert sched[0] == [Action(Kind.F, 0, 0), Action(Kind.F, 0, 1), Action(Kind.B, 0, 0), Action(Kind.B, 0, 1),
                         Action(Kind.OPT, 0)]
     assert sched[0][-1].microbatch is None
-    assert format_schedule(sched) == "stage 0: 0F0 0F1 0B0 0B1 0OPT\nstage 1: 1F0 1B0 1F1 1B1 1OPT"
+    assert format_schedule(sched) == "rank 0: 0F0 0F1 0B0 0B1 0OPT\nrank 1: 1F0 1B0 1F1 1B1 1OPT"
     assert str(Action(Kind.SEND, 2, 5, route=3, peer=1, channel="B")) == "2SEND_B5>1"
     assert str(Action(Kind.RECV, 1, 0, route=0, peer=0, channel="FB")) == "1RECV_FB0<0"
 
@@ -163,17 +164,24 @@ def test_schedule_invariants(name):
 
 @pytest.mark.parametrize("alias, canonical", [
     ("F-then-B", "F-then-B"), ("FThenB", "F-then-B"), ("GPipe", "F-then-B"), ("1F1B", "1F1B"),
+    ("interleaved", "interleaved"), ("Interleaved1F1B", "interleaved"), ("interleaved-1F1B", "interleaved"),
+    ("ZB-H1", "ZB-H1"), ("ZB-V", "ZB-V"),
 ])
 def test_canonical_names(alias, canonical):
     assert canonical_name(alias) == canonical
-    assert as_strings(make_schedule(alias, 3, 5)) == as_strings(SCHEDULES[canonical](3, 5))
+    assert get_kind(alias) is get_kind(canonical)
+    assert get_kind(alias).name == canonical
+    chunks = get_kind(canonical).chunks or 1
+    assert as_strings(make_schedule(alias, 3, 6, chunks)) == as_strings(get_kind(canonical).generate(3, 6, chunks))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "PipeDream", "", "F then B", None])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "PipeDream", "", "F then B", None, "zb-v", ["1F1B"]])
 def test_unknown_schedule(name):
     message = f"unknown schedule {name!r}; known schedules: {KNOWN}"
     with pytest.raises(ValueError, match=re.escape(message)):
         canonical_name(name)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        get_kind(name)
     with pytest.raises(ValueError, match=re.escape(message)):
         make_schedule(name, 2, 4)
 

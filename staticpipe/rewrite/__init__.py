@@ -9,7 +9,7 @@ from typing import Iterable
 
 from .._paddle import framework
 from ..plan import Plan
-from ..schedule import canonical_name, check_microbatches, lower, make_schedule
+from ..schedule import Kind, Schedule, check_microbatches, get_kind, lower, make_schedule, parse_schedule, validate
 from .programs import clear_device_tags, np_dtype, split_at_comm_ops, without_comm_ops
 from .sections import MERGED_SUFFIX, build_sections
 from .stages import assign_stages
@@ -21,40 +21,85 @@ def check_micro_batch_size(micro_batch_size: object) -> None:
 
 
 def build_plan(program: framework.Program, loss_name: str, num_microbatches: int = 1,
-               schedule: str = "1F1B", micro_batch_size: int | None = None,
+               schedule: str | Schedule = "1F1B", micro_batch_size: int | None = None,
                recompute: bool | Iterable[int] = False) -> Plan:
     """Split ``program`` (forward, backward and optimizer ops, tagged by ``device_guard``) into a Plan.
 
+    ``schedule``: a schedule name, or a custom schedule (``{rank: [Action, ...]}`` or its text form,
+    compute actions only), validated before it is accepted.
     ``recompute``: True for every stage, or the stage indices whose activations are recomputed.
     """
     check_microbatches(num_microbatches)
-    schedule = canonical_name(schedule)
     check_micro_batch_size(micro_batch_size)
-    assignment = assign_stages(program)
-    num_stages = len(assignment.devices)
-    if recompute is True or recompute is False:
-        recompute_stages = frozenset(range(num_stages)) if recompute else frozenset()
+    custom = custom_schedule(schedule)
+    kind = None if custom is not None else get_kind(schedule)
+    if custom is not None:
+        custom_ranks = {a.stage: rank for rank, acts in custom.items() for a in acts}
+        chunked = len(custom_ranks) > len(custom)
+        split = any(a.kind is Kind.W for acts in custom.values() for a in acts)
     else:
-        recompute_stages = frozenset(recompute)
-        bad = sorted(s for s in recompute_stages if not (isinstance(s, int) and 0 <= s < num_stages))
-        if bad:
-            raise ValueError(f"recompute names stages {bad}, but the program has stages 0..{num_stages - 1}")
-    stages, routes, data_vars, producers, replicated = build_sections(program, assignment, num_microbatches, micro_batch_size,
-                                                          recompute_stages)
-    block = program.global_block()
-    data_specs = {}
+        chunked, split = kind.chunks != 1, kind.split_backward
+    assignment = assign_stages(program, chunked=chunked)
+    num_stages = len(assignment.devices)
+    ranks = list(dict.fromkeys(assignment.devices))  # one worker per distinct device
+    stage_ranks = [ranks.index(d) for d in assignment.devices]
+    if kind is not None:
+        chunks = kind.chunks or max(1, num_stages // len(ranks))
+        layout = kind.layout(len(ranks), chunks)
+        if layout != stage_ranks:
+            raise ValueError(
+                f"schedule {kind.name} cannot run this program: it needs {len(layout)} stages on the "
+                f"{len(ranks)} devices {ranks} in the order {[ranks[r] for r in layout]}, but the program's "
+                f"guards give {num_stages} stages on {assignment.devices}"
+                + ("; separate consecutive stages on one device with staticpipe.split_point()"
+                   if len(layout) > num_stages else ""))
+    recompute_stages = _recompute_stages(recompute, num_stages)
+    stages, routes, data_vars, producers, replicated = build_sections(
+        program, assignment, num_microbatches, micro_batch_size, recompute_stages, split)
+    for stage, rank in zip(stages, stage_ranks):
+        stage.rank = rank
+    compute = custom if custom is not None else make_schedule(kind.name, len(ranks), num_microbatches,
+                                                              num_stages // len(ranks))
+    actions = lower(compute, routes)
+    validate(actions, num_stages, num_microbatches, stage_ranks, split_backward=split,
+             collectives=bool(assignment.shared) or any("all-reduce" in why for why in replicated.values()))
+    return Plan(stages=stages, routes=routes, num_microbatches=num_microbatches,
+                schedule=kind.name if kind is not None else "custom", actions=actions, ranks=ranks,
+                data_vars=data_vars, data_specs=_data_specs(program, data_vars, num_microbatches), loss=loss_name,
+                producers=producers, micro_batch_size=micro_batch_size, shared=dict(assignment.shared),
+                replicated=replicated)
+
+
+def custom_schedule(schedule: str | Schedule) -> Schedule | None:
+    """A user-written schedule (a dict, or text in ``format_schedule``'s form), or None for a name."""
+    if isinstance(schedule, dict):
+        return schedule
+    if isinstance(schedule, str) and schedule.lstrip().startswith("rank "):
+        return parse_schedule(schedule)
+    return None
+
+
+def _recompute_stages(recompute: bool | Iterable[int], num_stages: int) -> frozenset[int]:
+    if recompute is True or recompute is False:
+        return frozenset(range(num_stages)) if recompute else frozenset()
+    stages = frozenset(recompute)
+    bad = sorted(s for s in stages if not (isinstance(s, int) and 0 <= s < num_stages))
+    if bad:
+        raise ValueError(f"recompute names stages {bad}, but the program has stages 0..{num_stages - 1}")
+    return stages
+
+
+def _data_specs(program: framework.Program, data_vars: dict, num_microbatches: int) -> dict:
+    specs = {}
     for name in data_vars:
-        var = block.var(name)
+        var = program.global_block().var(name)
         shape = tuple(int(d) for d in var.shape)
         if num_microbatches > 1 and (not shape or shape[0] != -1):
             raise ValueError(f"data variable '{name}' has shape {list(shape)} with a fixed batch dimension; "
                              f"declare it with None as dim 0 so it can be split into {num_microbatches} "
                              "micro-batches")
-        data_specs[name] = (shape, np_dtype(var))
-    actions = lower(make_schedule(schedule, len(stages), num_microbatches), routes)
-    return Plan(stages=stages, routes=routes, num_microbatches=num_microbatches, schedule=schedule,
-                actions=actions, data_vars=data_vars, data_specs=data_specs, loss=loss_name, producers=producers,
-                micro_batch_size=micro_batch_size, shared=dict(assignment.shared), replicated=replicated)
+        specs[name] = (shape, np_dtype(var))
+    return specs
 
 
-__all__ = ["build_plan", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]
+__all__ = ["build_plan", "custom_schedule", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]

@@ -64,7 +64,7 @@ def place_optimize_ops(block: framework.Block, assignment: StageAssignment,
     for i in op_ids:
         op = block.ops[i]
         dev = op_device(op)
-        if dev is not None and dev in assignment.devices:
+        if dev is not None and assignment.devices.count(dev) == 1:  # a device of several chunks names none
             where = assignment.devices.index(dev)
         else:
             stages = sorted({home[n] for n in op.input_arg_names if home.get(n, GLOBAL) != GLOBAL})

@@ -18,10 +18,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, ROLE_OPTIMIZE, core, framework, paddle
-from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, CutVar, Route, Section, SectionRef, Stage
+from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, CutVar, Route, Section, SectionRef, Stage
 from .programs import EMPTY_VAR, append_comm_op, append_tagged_op, copy_ops, declare_var, np_dtype
 from .optimize import Reduction, SharedPartial, place_optimize_ops, shared_partials
-from .stages import BWD, FWD, OPT, StageAssignment, op_label
+from .stages import BWD, FWD, OPT, StageAssignment, grad_base, op_label
 
 MERGED_SUFFIX = "@MERGED"
 PARTIAL_SUFFIX = "@STAGE_PARTIAL"
@@ -44,17 +44,44 @@ def _names(names: list[str]) -> list[str]:
     return [n for n in names if n and n != EMPTY_VAR]
 
 
-def _analyse(block: framework.Block, ref: SectionRef, ops: list[int], drops: dict[int, set[str]]) -> SectionOps:
+Drops = dict[int, set[str]]  # op index -> argument names removed from that op's copy in one section
+
+
+def _analyse(block: framework.Block, ref: SectionRef, ops: list[int], drop_in: Drops, drop_out: Drops) -> SectionOps:
     sec = SectionOps(ref, ops)
     for i in ops:
         op = block.ops[i]
         for name in _names(op.input_arg_names):
-            if name in drops.get(i, ()):
+            if name in drop_in.get(i, ()):
                 continue
             if name not in sec.writes and name not in sec.reads and not block._var_recursive(name).persistable:
                 sec.reads.append(name)
-        sec.writes.update(n for n in _names(op.output_arg_names) if not block._var_recursive(n).persistable)
+        sec.writes.update(n for n in _names(op.output_arg_names)
+                          if n not in drop_out.get(i, ()) and not block._var_recursive(n).persistable)
     return sec
+
+
+def split_weight_gradients(block: framework.Block, ops: list[int], params: set[str]
+                           ) -> tuple[list[int], Drops, list[int], Drops]:
+    """Split backward ops into B (activation gradients, on the critical path) and W (weight gradients).
+
+    An op producing both kinds (``mul_grad``: dX and dW) is copied into both, each copy with the other
+    kind's outputs removed, which Paddle's grad kernels treat as "not needed".
+    Returns (B ops, their dropped outputs, W ops, their dropped outputs).
+    """
+    b_ops, b_drop, w_ops, w_drop = [], {}, [], {}
+    for i in ops:
+        outs = set(_names(block.ops[i].output_arg_names))
+        weight = {n for n in outs if grad_base(n) in params}
+        if outs - weight or not outs:
+            b_ops.append(i)
+            if weight:
+                b_drop[i] = weight
+        if weight:
+            w_ops.append(i)
+            if outs - weight:
+                w_drop[i] = outs - weight
+    return b_ops, b_drop, w_ops, w_drop
 
 
 def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str, str]:
@@ -69,14 +96,15 @@ def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str
 
 
 def build_sections(program: framework.Program, assignment: StageAssignment, num_microbatches: int,
-                   micro_batch_size: int | None, recompute: frozenset[int] = frozenset()
-                   ) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]], dict[str, SectionRef],
+                   micro_batch_size: int | None, recompute: frozenset[int] = frozenset(),
+                   split_backward: bool = False) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]], dict[str, SectionRef],
                               dict[int, str]]:
     """Return (stages, routes, data variable -> stages that read it, per-micro-batch var -> producer,
     replicated op -> why).
 
     Stages in ``recompute`` keep only their inputs between forward and backward; their backward section
-    starts with a second run of the forward ops.
+    starts with a second run of the forward ops. ``split_backward`` gives every stage a third
+    per-micro-batch section, weight, with the parameter-gradient half of the backward.
     """
     block = program.global_block()
     p = len(assignment.devices)
@@ -84,12 +112,20 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
     for i, role in enumerate(assignment.role):
         if role in (FWD, BWD):
             by_section[SectionRef(assignment.stage[i], FORWARD if role == FWD else BACKWARD)].append(i)
-
-    order = sorted((SectionRef(s, k) for s in range(p) for k in (FORWARD, BACKWARD)),
-                   key=lambda r: r.order(p))
     grads = param_grads(block, assignment)
-    partials, drops = shared_partials(block, assignment, grads)
-    secs = {ref: _analyse(block, ref, by_section.get(ref, []), drops) for ref in order}
+    partials, drop_in = shared_partials(block, assignment, grads)
+    drop_out: dict[SectionRef, Drops] = defaultdict(dict)
+    if split_backward:
+        if recompute:
+            raise ValueError("recompute is not supported with schedules that split the backward (ZB-H1, ZB-V) yet")
+        params = {prm.name for prm in block.all_parameters()}
+        for s in range(p):
+            b, w = SectionRef(s, BACKWARD), SectionRef(s, WEIGHT)
+            by_section[b], drop_out[b], by_section[w], drop_out[w] = split_weight_gradients(
+                block, by_section[b], params)
+    kinds = PER_MICROBATCH if split_backward else (FORWARD, BACKWARD)
+    order = sorted((SectionRef(s, k) for s in range(p) for k in kinds), key=lambda r: r.order(p))
+    secs = {ref: _analyse(block, ref, by_section.get(ref, []), drop_in, drop_out[ref]) for ref in order}
 
     producer: dict[str, SectionRef] = {}
     for ref in order:
@@ -101,28 +137,32 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
 
     data_vars: dict[str, list[int]] = defaultdict(list)
     route_vars: dict[tuple[SectionRef, SectionRef], list[str]] = defaultdict(list)
-    received: dict[int, set[str]] = defaultdict(set)  # stage -> values its forward receives or is fed
+    holder: dict[int, dict[str, SectionRef]] = defaultdict(dict)  # stage -> value -> section that has it
     for ref in order:
         sec = secs[ref]
-        fwd = secs[SectionRef(ref.stage, FORWARD)]
+        here = holder[ref.stage]
         for name in sec.reads:
             var = block._var_recursive(name)
             src = producer.get(name)
-            if getattr(var, "is_data", False) and src is None:
-                if ref.stage not in data_vars[name]:
-                    data_vars[name].append(ref.stage)
-                    fwd.feeds.append(name)
-                received[ref.stage].add(name)
-                if ref.kind == BACKWARD:
+            if name in here:
+                # produced, received or fed earlier on this stage: every section from there to here
+                # must spare it from the garbage collector
+                for between in order:
+                    if between.stage == ref.stage and here[name].order(p) <= between.order(p) < ref.order(p):
+                        secs[between].keep.add(name)
+            elif getattr(var, "is_data", False) and src is None:
+                fwd = secs[SectionRef(ref.stage, FORWARD)]
+                data_vars[name].append(ref.stage)
+                fwd.feeds.append(name)
+                here[name] = fwd.ref
+                if ref != fwd.ref:
                     fwd.keep.add(name)
             elif src is None:
                 raise ValueError(f"variable '{name}' read on {ref} is never produced: it is not a data "
                                  "variable, a parameter or the output of an earlier op")
             elif src == ref:
                 raise ValueError(f"variable '{name}' is read on {ref} before the op that writes it")
-            elif src.stage == ref.stage or name in received[ref.stage]:
-                fwd.keep.add(name)  # produced by, or delivered to, this stage's forward
-            elif src.order(p) > ref.order(p):
+            elif src.order(p) > ref.order(p) or src.stage == ref.stage:
                 i = next(j for j in sec.ops if name in block.ops[j].input_arg_names)
                 raise ValueError(f"{op_label(i, block.ops[i])} on {ref} reads '{name}', which {src} produces "
                                  "later in the micro-batch's path: data may only flow forward through the "
@@ -130,8 +170,9 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
             else:
                 route_vars[(src, ref)].append(name)
                 secs[src].keep.add(name)
-                if ref.kind == FORWARD:
-                    received[ref.stage].add(name)
+                here[name] = ref
+        for name in sec.writes:
+            here.setdefault(name, ref)
 
     routes = [Route(k, src, dst, tuple(_cut_var(block, n) for n in names))
               for k, ((src, dst), names) in enumerate(sorted(route_vars.items(),
@@ -144,16 +185,16 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
         merge = {g: p_ for p_, g in grads.items() if assignment.param_stage.get(p_) == s}
         merge.update({sp.name: sp.param for sp in partials if sp.stage == s})
         stage = Stage(index=s, device=device, recompute=s in recompute)
-        fwd, bwd = secs[SectionRef(s, FORWARD)], secs[SectionRef(s, BACKWARD)]
+        fwd = secs[SectionRef(s, FORWARD)]
         if stage.recompute:
             _check_recomputable(block, fwd)
             sent = {v.name for r in routes if r.src == fwd.ref for v in r.vars}
             fwd.keep = {n for n in fwd.keep if n not in fwd.writes} | sent
-        stage.sections[FORWARD] = _per_microbatch_section(
-            block, fwd, routes, device, micro_batch_size, merge, num_microbatches, drops)
-        stage.sections[BACKWARD] = _per_microbatch_section(
-            block, bwd, routes, device, micro_batch_size, merge, num_microbatches, drops,
-            recompute=fwd.ops if stage.recompute else [])
+        for kind in kinds:
+            ref = SectionRef(s, kind)
+            stage.sections[kind] = _per_microbatch_section(
+                block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
+                drop_out[ref], recompute=fwd.ops if stage.recompute and kind == BACKWARD else [])
         stage.sections[OPTIMIZE] = _optimize_section(block, s, device, placement.ops[s], grads, merge,
                                                      partials, assignment)
         stage.sections[INIT] = _init_section(block, s, device, merge)
@@ -202,8 +243,8 @@ def _check_recomputable(block: framework.Block, fwd: SectionOps) -> None:
 
 def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: list[Route], device: str,
                             micro_batch_size: int | None, merge: dict[str, str], num_microbatches: int,
-                            drops: dict[int, set[str]], recompute: list[int] = ()) -> Section:
-    role = ROLE_BACKWARD if sec.ref.kind == BACKWARD else 0
+                            drop_in: Drops, drop_out: Drops, recompute: list[int] = ()) -> Section:
+    role = 0 if sec.ref.kind == FORWARD else ROLE_BACKWARD
     prog = paddle.static.Program()
     dst = prog.global_block()
     recvs = [r for r in routes if r.dst == sec.ref]
@@ -214,8 +255,11 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
             append_comm_op(dst, "recv_v2", v, r.src.stage, device, role, micro_batch_size)
 
     def edit(i: int, desc: core.OpDesc) -> None:
-        if i in drops:  # a shared parameter's partial gradients from other stages arrive once per step
-            desc.set_input("X", [n for n in desc.input("X") if n not in drops[i]])
+        if i in drop_in:  # a shared parameter's partial gradients from other stages arrive once per step
+            desc.set_input("X", [n for n in desc.input("X") if n not in drop_in[i]])
+        if i in drop_out:  # the other half of a split backward op computes these
+            for slot in desc.output_names():
+                desc.set_output(slot, [n for n in desc.output(slot) if n not in drop_out[i]])
         if (desc.has_attr(OP_ROLE) and desc.attr(OP_ROLE) == ROLE_BACKWARD | ROLE_LOSS
                 and desc.type() == "fill_constant" and num_microbatches > 1):
             value = desc.attr("value") / num_microbatches
@@ -225,7 +269,7 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
 
     produced = set()
     for i in sec.ops:
-        produced.update(block.ops[i].output_arg_names)
+        produced.update(n for n in block.ops[i].output_arg_names if n not in drop_out.get(i, ()))
     grads_here = [g for g in merge if g in produced]
 
     def recompute_edit(i: int, desc: core.OpDesc) -> None:

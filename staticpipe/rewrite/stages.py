@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .._paddle import (GRAD_SUFFIX, OP_DEVICE, OP_ROLE, ROLE_BACKWARD, ROLE_LRSCHED,
                        ROLE_OPTIMIZE, framework)
-from ..placement import parse_device
+from ..placement import SPLIT_POINTS, parse_device
 
 FWD, BWD, OPT, LR = "forward", "backward", "optimize", "lr"
 DEFAULT_DEVICE = "gpu:0"
@@ -25,7 +25,7 @@ DEFAULT_DEVICE = "gpu:0"
 
 @dataclass
 class StageAssignment:
-    devices: list[str]  # stage -> device
+    devices: list[str]  # stage -> device (a device holds several stages when chunked)
     role: list[str]  # op index -> FWD/BWD/OPT/LR
     stage: list[int | None]  # op index -> stage of forward and backward ops (None for the others)
     param_stage: dict[str, int]  # parameter -> its owner: the first stage whose forward reads it
@@ -61,7 +61,15 @@ def _device(op: framework.Operator) -> str | None:
     return str(parse_device(dev)) if dev else None
 
 
-def assign_stages(program: framework.Program) -> StageAssignment:
+def assign_stages(program: framework.Program, chunked: bool = False) -> StageAssignment:
+    """Assign every forward and backward op a stage.
+
+    ``chunked`` (schedules with several chunks per device: interleaved, ZB-V): every return of the
+    forward ops to a device already used starts a new stage (chunk) on it, so guards gpu:0, gpu:1,
+    gpu:0, gpu:1 give four stages on two devices; backward ops then follow their forward op by data
+    flow rather than by their device tag, which no longer names one stage. ``staticpipe.split_point()``
+    also starts a new stage there, for consecutive stages on one device (the bottom of ZB-V's V).
+    """
     block = program.global_block()
     ops = list(block.ops)
     for i, op in enumerate(ops):
@@ -73,9 +81,18 @@ def assign_stages(program: framework.Program) -> StageAssignment:
 
     devices: list[str] = []
     stage: list[int | None] = [None] * len(ops)
+    splits = sorted(getattr(program, SPLIT_POINTS, ()))
+    previous = -1
     for i in fwd:
         dev = _device(ops[i])
-        if dev is not None:
+        if dev is None:
+            continue
+        if chunked:
+            if not devices or devices[-1] != dev or any(previous < p <= i for p in splits):
+                devices.append(dev)
+            stage[i] = len(devices) - 1
+            previous = i
+        else:
             if dev not in devices:
                 devices.append(dev)
             stage[i] = devices.index(dev)
@@ -126,13 +143,14 @@ def assign_stages(program: framework.Program) -> StageAssignment:
 
     for i, op in enumerate(ops):
         if roles[i] == BWD:
-            stage[i] = _backward_stage(i, op, devices, producer, stage, param_stage)
+            stage[i] = _backward_stage(i, op, None if chunked else devices, producer, stage, param_stage)
     return StageAssignment(devices, roles, stage, param_stage, shared)
 
 
-def _backward_stage(i: int, op: framework.Operator, devices: list[str], producer: dict[str, int],
+def _backward_stage(i: int, op: framework.Operator, devices: list[str] | None, producer: dict[str, int],
                     stage: list[int | None], param_stage: dict[str, int]) -> int:
-    dev = _device(op)
+    """The device tag's stage (``devices`` given), else the stage of the forward op being differentiated."""
+    dev = _device(op) if devices is not None else None
     if dev is not None:
         if dev not in devices:
             raise ValueError(f"backward {op_label(i, op)} is on device {dev}, which runs no forward op")

@@ -19,6 +19,7 @@ from ..rewrite import clear_device_tags
 from .channel import Channel, InProcessChannel, PipelineAborted
 from .places import place_of
 from .progress import Progress
+from ..trace import Timeline
 from .worker import DeviceWorker, StageError, StepJob, StepResult
 
 log = logging.getLogger("staticpipe")
@@ -38,10 +39,11 @@ class Executor:
 
     ``place`` is where unsplit programs run (default: GPU 0 with CUDA, else CPU). ``threads_per_stage``
     is each CPU stage worker's intra-op thread budget: one number for all, or ``{device: threads}``
-    (devices not named get 1).
+    (devices not named get 1). ``trace`` records the start and end of every action; ``timeline``
+    returns the last step's.
     """
 
-    def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1):
+    def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1, trace: bool = False):
         budgets = threads_per_stage.values() if isinstance(threads_per_stage, dict) else [threads_per_stage]
         if not all(isinstance(n, int) and n >= 1 for n in budgets):
             raise ValueError("threads_per_stage must be an integer >= 1 or a dict device -> integer >= 1, "
@@ -53,7 +55,8 @@ class Executor:
         self._workers: dict[str, DeviceWorker] = {}
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
         self._channel: Channel = InProcessChannel()
-        self.step_records: list[tuple] | None = None  # (action, device, start, end) when tracing
+        self.trace = trace
+        self._records: list[tuple] = []  # (action, start, end) of the last step, when tracing
 
     # --- devices ------------------------------------------------------------------------------------
     def worker(self, device: str) -> DeviceWorker:
@@ -175,13 +178,11 @@ class Executor:
 
     def _run_actions(self, plan: Plan, feeds: dict, fetch: dict) -> dict[str, list[np.ndarray]]:
         places = {s.index: self.worker(s.device).place for s in plan.stages}
-        by_device: dict[str, list] = {}
-        for stage in plan.stages:
-            by_device.setdefault(stage.device, []).extend(plan.actions[stage.index])
         self._channel.reset()
         record = self._recorder()
         futures = {}
-        for device, actions in by_device.items():
+        for rank, actions in plan.actions.items():
+            device = plan.ranks[rank]
             job = StepJob(plan, actions, feeds, fetch, self._channel, places, record)
             futures[self._threads[device].submit(self.worker(device).run_step, job)] = device
         try:
@@ -222,10 +223,17 @@ class Executor:
         return [f.result() for f in futures]
 
     def _recorder(self):
-        if self.step_records is None:
+        if not self.trace:
             return None
-        records = self.step_records
+        self._records = records = []
         return lambda action, start, end: records.append((action, start, end))
+
+    def timeline(self, program: framework.Program) -> Timeline:
+        """The last traced step of ``program``: busy time, bubble, Chrome trace and Gantt chart export."""
+        plan = plan_of(program)
+        if plan is None:
+            raise ValueError("timeline needs a program rewritten by staticpipe.PipelineOptimizer.minimize")
+        return Timeline.from_records(plan, self._records)
 
     def train_from_dataset(self, program: framework.Program, dataset: Any = None, scope: Any = None,
                            thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,
@@ -235,8 +243,10 @@ class Executor:
 
         Returns the fetched values of every step (a list per step, in ``fetch_list`` order). ``thread``
         is accepted for Paddle compatibility (each stage has its own worker already); ``scope`` must be
-        None because parameters live in one scope per device (see ``scope_of``). With ``debug`` every
-        step's per-stage busy time is logged. ``lr_step`` advances the program's learning-rate scheduler
+        None because parameters live in one scope per device (see ``scope_of``). With ``debug`` (or an
+        executor created with ``trace=True``) each step is traced and its timeline summary -- step time,
+        measured bubble, the schedule's bound, busy time per rank -- is logged every ``print_period``
+        steps and after the last. ``lr_step`` advances the program's learning-rate scheduler
         after every step ("step") or after the epoch ("epoch"); None leaves ``scheduler.step()`` to you.
         """
         plan = plan_of(program)
@@ -258,32 +268,26 @@ class Executor:
         if len(labels) != len(names):
             raise ValueError(f"fetch_info has {len(labels)} names for {len(names)} fetch_list entries")
         history: list[list] = []
-        if debug and self.step_records is None:
-            self.step_records = []
-        with Progress(labels, print_period) as progress:
-            for batch in dataset.epoch():
-                started = time.perf_counter()
-                if debug:
-                    self.step_records.clear()
-                self._set_learning_rate(program, plan)
-                values = self._step(plan, batch, names)
-                if lr_step == "step":
-                    program.lr_scheduler.step()
-                history.append(values)
-                progress.update(len(next(iter(batch.values()))), values, time.perf_counter() - started)
-                if debug:
-                    log.info("step %d busy seconds per stage: %s", len(history), self.busy_time())
+        tracing, self.trace = self.trace, self.trace or debug
+        try:
+            with Progress(labels, print_period) as progress:
+                for batch in dataset.epoch():
+                    started = time.perf_counter()
+                    self._set_learning_rate(program, plan)
+                    values = self._step(plan, batch, names)
+                    if lr_step == "step":
+                        program.lr_scheduler.step()
+                    history.append(values)
+                    progress.update(len(next(iter(batch.values()))), values, time.perf_counter() - started)
+                    if self.trace and len(history) % print_period == 0:
+                        progress.note(f"step {len(history)} timeline: {self.timeline(program).summary()}")
+                if self.trace and history and len(history) % print_period:
+                    progress.note(f"step {len(history)} timeline: {self.timeline(program).summary()}")
+        finally:
+            self.trace = tracing
         if lr_step == "epoch":
             program.lr_scheduler.step()
         return history
-
-    def busy_time(self) -> dict[int, float]:
-        """Seconds each stage spent in compute actions during the last recorded step."""
-        busy: dict[int, float] = {}
-        for action, start, end in self.step_records or []:
-            if action.kind.value in ("F", "B", "OPT"):
-                busy[action.stage] = busy.get(action.stage, 0.0) + end - start
-        return busy
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         """Per stage, the peak activation bytes and micro-batches held between forward and backward

@@ -37,6 +37,13 @@ class Progress:
             print(f"step {self.step}: {text}{', ' if text else ''}{rate:.1f} samples/s", file=self.stream,
                   flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own, above the progress bar if there is one."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._paddle import core, framework, np, paddle
-from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, Plan
+from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, WEIGHT, Plan
 from ..rewrite import clear_device_tags, split_at_comm_ops, without_comm_ops
 from ..schedule import Action, Kind
 from .channel import Channel, PipelineAborted
 from .places import generic_place
 
 convert_dtype = paddle.base.data_feeder.convert_dtype
-SECTION_OF = {Kind.F: FORWARD, Kind.B: BACKWARD}
+SECTION_OF = {Kind.F: FORWARD, Kind.B: BACKWARD, Kind.W: WEIGHT}
 
 
 class StageError(RuntimeError):

@@ -1,11 +1,19 @@
-"""The action IR: what one stage does, step by step, for one training step.
+"""The action IR: what one rank (device) does, step by step, for one training step.
 
-A schedule is plain data: ``{stage: [Action, ...]}``. Compute actions are F (forward of a micro-batch),
-B (backward) and OPT (the once-per-step optimizer update). Lowering adds SEND and RECV actions that move
-a route's cut variables between stages. The runtime executes any valid list; it knows no schedule.
+A schedule is plain data: ``{rank: [Action, ...]}``. Compute actions are F (forward of a micro-batch),
+B (backward: activation gradients, or the whole backward when it is not split), W (weight gradients,
+the deferrable second half of a split backward) and OPT (the once-per-step optimizer update of one
+stage). Lowering adds SEND and RECV actions that move a route's cut variables between stages. Every
+action names its *global* stage; the dict key is the rank that runs it. The runtime executes any valid
+list; it knows no schedule.
+
+Actions have a text form (``0F3``, ``1B0``, ``0W5``, ``0OPT``, ``0SEND_F3>1``, ``1RECV_F3<0``) so
+schedules can be printed, written by hand and read back, and a JSON form that also keeps the route.
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -13,19 +21,22 @@ from enum import Enum
 class Kind(str, Enum):
     F = "F"
     B = "B"
+    W = "W"
     OPT = "OPT"
     SEND = "SEND"
     RECV = "RECV"
 
 
-COMPUTE_KINDS = (Kind.F, Kind.B)
+COMPUTE_KINDS = (Kind.F, Kind.B)  # the kinds that run a per-micro-batch section with cut variables
+COMM_KINDS = (Kind.SEND, Kind.RECV)
+CHANNELS = ("F", "B", "FB")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one stage.
+    """One step of one rank.
 
-    For SEND/RECV, ``route`` is the plan's route index, ``peer`` the other stage and ``channel`` what
+    For SEND/RECV, ``route`` is the plan's route index, ``peer`` the other *stage* and ``channel`` what
     travels ("F" activations, "B" gradients, "FB" forward values to a backward section).
     """
 
@@ -35,6 +46,9 @@ class Action:
     route: int | None = None
     peer: int | None = None
     channel: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))  # "F" -> Kind.F, so ``is`` tests hold
 
     def __str__(self) -> str:
         if self.kind is Kind.OPT:
@@ -54,13 +68,77 @@ def B(stage: int, mb: int) -> Action:
     return Action(Kind.B, stage, mb)
 
 
+def W(stage: int, mb: int) -> Action:
+    return Action(Kind.W, stage, mb)
+
+
 def OPT(stage: int) -> Action:
     return Action(Kind.OPT, stage)
 
 
 Schedule = dict[int, list[Action]]
 
+_COMPUTE_RE = re.compile(r"(\d+)([FBW])(\d+)")
+_OPT_RE = re.compile(r"(\d+)OPT")
+_COMM_RE = re.compile(r"(\d+)(SEND|RECV)_(FB|F|B)(\d+)([<>])(\d+)")
+
+
+def parse_action(text: str) -> Action:
+    """The action whose ``str`` is ``text``. The text of a SEND/RECV does not name its route, so the
+    result has ``route=None``; JSON keeps routes."""
+    if m := _COMPUTE_RE.fullmatch(text):
+        return Action(Kind(m[2]), int(m[1]), int(m[3]))
+    if m := _OPT_RE.fullmatch(text):
+        return OPT(int(m[1]))
+    if (m := _COMM_RE.fullmatch(text)) and m[5] == (">" if m[2] == "SEND" else "<"):
+        return Action(Kind(m[2]), int(m[1]), int(m[4]), peer=int(m[6]), channel=m[3])
+    raise ValueError(f"not an action: {text!r} (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0SEND_F3>1, 1RECV_F3<0)")
+
 
 def format_schedule(schedule: Schedule) -> str:
-    """One line per stage: ``stage 0: 0F0 0F1 0B0 ...``."""
-    return "\n".join(f"stage {s}: {' '.join(map(str, acts))}" for s, acts in sorted(schedule.items()))
+    """One line per rank: ``rank 0: 0F0 0F1 0B0 ...``."""
+    return "\n".join(f"rank {r}:" + "".join(f" {a}" for a in acts) for r, acts in sorted(schedule.items()))
+
+
+_LINE_RE = re.compile(r"rank (\d+):(.*)")
+
+
+def parse_schedule(text: str) -> Schedule:
+    """The schedule ``format_schedule`` printed as ``text`` (blank lines are ignored)."""
+    schedule: Schedule = {}
+    for line in text.strip().splitlines():
+        if not line.strip():
+            continue
+        m = _LINE_RE.fullmatch(line.strip())
+        if m is None:
+            raise ValueError(f"not a schedule line: {line!r} (expected 'rank <n>: <actions>')")
+        rank = int(m[1])
+        if rank in schedule:
+            raise ValueError(f"rank {rank} has two lines")
+        schedule[rank] = [parse_action(t) for t in m[2].split()]
+    return schedule
+
+
+_FIELDS = ("microbatch", "route", "peer")
+
+
+def schedule_to_json(schedule: Schedule) -> str:
+    """``{"<rank>": [{"kind": "F", "stage": 0, "microbatch": 3}, ...]}``; unset fields are left out."""
+    def entry(a: Action) -> dict:
+        d = {"kind": a.kind.value, "stage": a.stage}
+        d.update((f, getattr(a, f)) for f in _FIELDS if getattr(a, f) is not None)
+        return d | ({"channel": a.channel} if a.channel else {})
+    return json.dumps({str(r): [entry(a) for a in acts] for r, acts in sorted(schedule.items())})
+
+
+def schedule_from_json(text: str) -> Schedule:
+    """The schedule ``schedule_to_json`` wrote."""
+    def action(d: dict) -> Action:
+        try:
+            return Action(Kind(d["kind"]), d["stage"], *(d.get(f) for f in _FIELDS), d.get("channel", ""))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"not an action: {d!r}") from e
+    data = json.loads(text)
+    if not isinstance(data, dict) or not all(isinstance(acts, list) for acts in data.values()):
+        raise ValueError("a JSON schedule is an object mapping each rank to a list of actions")
+    return {int(r): [action(d) for d in acts] for r, acts in data.items()}

@@ -1,8 +1,11 @@
 """Lowering: insert the SEND and RECV actions a compute schedule needs, from the plan's routes.
 
-A RECV goes right before the compute action that reads the route, a SEND right after the one that
-produces it. Sends never block in-process, so this order cannot deadlock for a schedule whose compute
-order respects each micro-batch's path F0 < F1 < ... < B1 < B0.
+A RECV goes right before the compute action (F or B) of the route's destination section, a SEND right
+after the one of its source section; W and OPT move no cut variables. Routes are matched on the
+action's own stage, not the rank it runs on, so several stages per rank lower the same way (a route
+between two stages of one rank becomes a SEND and a RECV on that rank). Sends never block, so this
+cannot deadlock for a schedule whose compute order respects each micro-batch's path
+F0 < F1 < ... < B1 < B0; ``validate`` checks that with a dry run.
 """
 from __future__ import annotations
 
@@ -13,31 +16,43 @@ from .actions import COMPUTE_KINDS, Action, Kind, Schedule
 _SECTION_OF = {Kind.F: "forward", Kind.B: "backward"}
 
 
-class RouteLike(Protocol):  # plan.Route, without importing the plan
+class SectionLike(Protocol):  # plan.SectionRef, without importing the plan
+    stage: int
+    kind: str
+
+
+class RouteLike(Protocol):  # plan.Route
     index: int
-    channel: str
 
     @property
-    def src(self): ...
+    def channel(self) -> str: ...
 
     @property
-    def dst(self): ...
+    def src(self) -> SectionLike: ...
+
+    @property
+    def dst(self) -> SectionLike: ...
 
 
 def lower(schedule: Schedule, routes: Iterable[RouteLike]) -> Schedule:
+    """``schedule`` (rank -> compute actions) with the SEND/RECV actions of ``routes`` added."""
     routes = list(routes)
+    for r in routes:
+        if {r.src.kind, r.dst.kind} - set(_SECTION_OF.values()):
+            raise ValueError(f"route {r.index} ({r.src} -> {r.dst}): schedules move cut variables only between "
+                             "forward and backward sections")
     lowered: Schedule = {}
-    for stage, actions in schedule.items():
+    for rank, actions in schedule.items():
         out: list[Action] = []
         for a in actions:
             if a.kind not in COMPUTE_KINDS:
                 out.append(a)
                 continue
             section = _SECTION_OF[a.kind]
-            out += [Action(Kind.RECV, stage, a.microbatch, r.index, r.src.stage, r.channel)
-                    for r in routes if r.dst.stage == stage and r.dst.kind == section]
+            out += [Action(Kind.RECV, a.stage, a.microbatch, r.index, r.src.stage, r.channel)
+                    for r in routes if r.dst.stage == a.stage and r.dst.kind == section]
             out.append(a)
-            out += [Action(Kind.SEND, stage, a.microbatch, r.index, r.dst.stage, r.channel)
-                    for r in routes if r.src.stage == stage and r.src.kind == section]
-        lowered[stage] = out
+            out += [Action(Kind.SEND, a.stage, a.microbatch, r.index, r.dst.stage, r.channel)
+                    for r in routes if r.src.stage == a.stage and r.src.kind == section]
+        lowered[rank] = out
     return lowered

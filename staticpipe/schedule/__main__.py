@@ -1,0 +1,60 @@
+"""Print a schedule and what the simulator says of it, without Paddle or devices.
+
+    python -m staticpipe.schedule --schedule 1F1B --stages 4 --microbatches 8 [--chunks 2]
+        [--costs F=1,B=2] [--png out.png] [--json]
+
+``--stages`` is the number of ranks (devices), ``--chunks`` the stages per device. ``--json`` prints
+the action lists as JSON (``schedule_from_json`` reads it back) instead of text.
+"""
+from __future__ import annotations
+
+import argparse
+
+from .actions import format_schedule, schedule_to_json
+from .registry import get_kind, make_schedule
+from .simulate import simulate
+from .validate import validate
+
+
+def _costs(text: str) -> dict[str, float]:
+    try:
+        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"costs must look like F=1,B=2; got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m staticpipe.schedule", description=__doc__.split("\n")[0])
+    parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--stages", type=int, required=True, help="number of ranks (devices)")
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--chunks", type=int, default=None, help="stages per device (default: the schedule's)")
+    parser.add_argument("--costs", type=_costs, default=None, help="time per action kind, e.g. F=1,B=2 "
+                        "(default: F = B = W = 1/chunks, so a device's work is the same for any chunking; "
+                        "without W actions B is the whole backward)")
+    parser.add_argument("--png", help="draw the simulated Gantt chart here")
+    parser.add_argument("--json", action="store_true", help="print the action lists as JSON")
+    args = parser.parse_args(argv)
+    try:
+        kind = get_kind(args.schedule)
+        chunks = args.chunks if args.chunks is not None else (kind.chunks or 1)
+        schedule = make_schedule(kind.name, args.stages, args.microbatches, chunks)
+        validate(schedule, args.stages * chunks, args.microbatches, kind.layout(args.stages, chunks),
+                 kind.split_backward)
+        costs = args.costs if args.costs is not None else {k: 1 / chunks for k in "FBW"}
+        sim = simulate(schedule, costs, args.stages * chunks)
+    except ValueError as e:
+        parser.error(str(e))
+    print(schedule_to_json(schedule) if args.json else format_schedule(schedule))
+    print(f"simulated total: {sim.total:g}")
+    print(f"bubble: {sim.bubble:.4f}")
+    print("peak in flight: " + ", ".join(f"stage {s}: {n}" for s, n in sim.peak_inflight.items()))
+    if args.png:
+        from .gantt import draw_gantt
+        draw_gantt({f"{kind.name}, {args.stages} devices x {chunks} chunks, {args.microbatches} micro-batches "
+                    "(simulated)": sim}, args.png)
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()

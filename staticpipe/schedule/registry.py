@@ -1,0 +1,100 @@
+"""The named schedules: how each generates its action lists and where it needs each stage to live.
+
+A kind pairs a generator with a layout (the rank of every stage) because the two are one decision:
+interleaved 1F1B only works with stage s on rank s % p, ZB-V only with the V. The rewrite builds a
+plan's stages from the program's device guards and checks them against the layout; the generator
+then fills in the order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .actions import Schedule
+from .gpipe import f_then_b
+from .interleaved import interleaved
+from .one_f_one_b import one_f_one_b
+from .zero_bubble import zb_h1, zb_v, zb_v_layout
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    name: str
+    generate: Callable[[int, int, int], Schedule]  # (ranks, micro-batches, chunks) -> rank -> compute actions
+    layout: Callable[[int, int], list[int]]  # (ranks, chunks) -> rank of each stage
+    split_backward: bool = False  # emits W actions
+    chunks: int | None = 1  # stages per rank it needs; None: any number >= 1
+
+
+def _one_chunk(generate: Callable[[int, int], Schedule]) -> Callable[[int, int, int], Schedule]:
+    """For kinds with one stage per rank (``make_schedule`` has checked ``num_chunks == 1``)."""
+    return lambda num_ranks, num_microbatches, num_chunks: generate(num_ranks, num_microbatches)
+
+
+def _round_robin(num_ranks: int, num_chunks: int) -> list[int]:
+    return [s % num_ranks for s in range(num_ranks * num_chunks)]
+
+
+KINDS = {k.name: k for k in (
+    ScheduleKind("F-then-B", _one_chunk(f_then_b), _round_robin),
+    ScheduleKind("1F1B", _one_chunk(one_f_one_b), _round_robin),
+    ScheduleKind("interleaved", interleaved, _round_robin, chunks=None),
+    ScheduleKind("ZB-H1", _one_chunk(zb_h1), _round_robin, split_backward=True),
+    ScheduleKind("ZB-V", _one_chunk(zb_v), lambda num_ranks, num_chunks: zb_v_layout(num_ranks),
+                 split_backward=True, chunks=2),
+)}
+ALIASES = {"FThenB": "F-then-B", "GPipe": "F-then-B",
+           "Interleaved1F1B": "interleaved", "interleaved-1F1B": "interleaved"}
+
+
+def _known() -> str:
+    aliases = {name: [a for a, c in ALIASES.items() if c == name] for name in KINDS}
+    return ", ".join(f"{n} (aliases {', '.join(aliases[n])})" if aliases[n] else n for n in KINDS)
+
+
+def canonical_name(name: str) -> str:
+    """The registered spelling of ``name``; ``ValueError`` listing the known schedules otherwise."""
+    if isinstance(name, str) and name in KINDS:
+        return name
+    if isinstance(name, str) and name in ALIASES:
+        return ALIASES[name]
+    raise ValueError(f"unknown schedule {name!r}; known schedules: {_known()}")
+
+
+def get_kind(name: str) -> ScheduleKind:
+    return KINDS[canonical_name(name)]
+
+
+def check_microbatches(num_microbatches: object) -> int:
+    return _check_count("num_microbatches", num_microbatches)
+
+
+def _check_count(what: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_chunks(kind: ScheduleKind, num_ranks: int, num_chunks: int) -> None:
+    """``ValueError`` unless ``kind`` runs ``num_chunks`` stages on each of ``num_ranks`` ranks."""
+    if kind.chunks is None or kind.chunks == num_chunks:
+        return
+    need = "1 chunk per device (stages = devices)" if kind.chunks == 1 else (
+        f"{kind.chunks} chunks per device (stages = {kind.chunks} x devices)")
+    raise ValueError(f"schedule {kind.name} needs {need}; the program has {num_ranks * num_chunks} stages "
+                     f"on {num_ranks} devices")
+
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
+    """The compute action lists (F, B, W, OPT) of schedule ``name``, keyed by rank."""
+    kind = get_kind(name)
+    check_microbatches(num_microbatches)
+    _check_count("num_ranks", num_ranks)
+    _check_count("num_chunks", num_chunks)
+    check_chunks(kind, num_ranks, num_chunks)
+    if kind.name == "interleaved" and num_microbatches % num_ranks:
+        below = num_microbatches - num_microbatches % num_ranks
+        use = " or ".join(str(n) for n in (below, below + num_ranks) if n > 0)
+        raise ValueError(f"interleaved 1F1B needs num_microbatches to be a multiple of the number of devices "
+                         f"({num_ranks}); got {num_microbatches}: use {use}")
+    return kind.generate(num_ranks, num_microbatches, num_chunks)

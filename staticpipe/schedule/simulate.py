@@ -1,0 +1,77 @@
+"""``simulate``: the timeline a schedule would have if each action cost exactly what you say.
+
+It answers what a schedule is worth before running it (bubble, step time, activations held) and,
+fed the per-action times measured by the runtime, how far a real step is from the schedule's own bound.
+Each rank runs its list in order, every action as early as its dependency allows (see ``execution``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from .actions import Action, Kind, Schedule
+from .execution import Event, execute
+
+UNIT_COSTS = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.OPT: 0.0, Kind.SEND: 0.0, Kind.RECV: 0.0}
+BUSY_KINDS = (Kind.F, Kind.B, Kind.W, Kind.OPT)  # compute; messages are not useful work
+
+Costs = None | Mapping[str, float] | Callable[[Action], float]
+
+
+@dataclass
+class Simulation:
+    events: list[Event]  # (rank, action, start, end), by start time
+    total: float  # the end of the last action (every rank starts at 0)
+    busy: dict[int, float]  # rank -> time spent in compute actions
+    bubble: float  # 1 - sum(busy) / (ranks x total): the fraction of rank-time left idle
+    peak_inflight: dict[int, int]  # stage -> most micro-batches between their F and their last backward
+
+
+def cost_function(costs: Costs) -> Callable[[Action], float]:
+    """``costs`` as a function of the action: None is unit costs (F = B = W = 1, OPT and messages 0), a
+    mapping overrides some kinds ({"F": 1, "B": 2}), a callable prices each action (measured times)."""
+    if callable(costs):
+        return costs
+    table = dict(UNIT_COSTS)
+    for kind, seconds in (costs or {}).items():
+        if kind not in UNIT_COSTS:
+            raise ValueError(f"unknown action kind {kind!r} in costs; kinds: {', '.join(k.value for k in Kind)}")
+        table[Kind(kind)] = float(seconds)
+    return lambda a: table[a.kind]
+
+
+def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = None) -> Simulation:
+    """Simulate a compute-only or lowered schedule. ``num_stages`` defaults to the highest stage + 1.
+
+    Without W actions, B is the whole backward: price it so (e.g. {"B": 2}) to compare with a
+    split-backward schedule at F = B = W = 1. ``ScheduleError`` if the schedule deadlocks.
+    """
+    stages = {a.stage for acts in schedule.values() for a in acts}
+    events = execute(schedule, num_stages if num_stages is not None else max(stages, default=-1) + 1,
+                     cost_function(costs))
+    events.sort(key=lambda e: (e[2], e[0]))  # by start time, then rank; a rank's list order is kept
+    total = max((e[3] for e in events), default=0.0)
+    busy = dict.fromkeys(schedule, 0.0)
+    for rank, a, s, e in events:
+        if a.kind in BUSY_KINDS:
+            busy[rank] += e - s
+    bubble = 1.0 - sum(busy.values()) / (len(schedule) * total) if total > 0 else 0.0
+    return Simulation(events, total, busy, bubble, peak_inflight(schedule))
+
+
+def peak_inflight(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most micro-batches whose F has run and whose last backward action (W if the
+    backward is split, else B) has not: the activations the stage must hold at once. A stage's
+    actions all run on one rank in list order, so counting along the list is exact."""
+    last = Kind.W if any(a.kind is Kind.W for acts in schedule.values() for a in acts) else Kind.B
+    live: dict[int, set[int]] = {}
+    peak: dict[int, int] = {}
+    for acts in schedule.values():
+        for a in acts:
+            held = live.setdefault(a.stage, set())
+            if a.kind is Kind.F:
+                held.add(a.microbatch)
+            elif a.kind is last:
+                held.discard(a.microbatch)
+            peak[a.stage] = max(peak.get(a.stage, 0), len(held))
+    return dict(sorted(peak.items()))

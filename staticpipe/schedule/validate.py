@@ -1,0 +1,89 @@
+"""``validate``: refuse a schedule that would train wrongly or hang, before any device runs it.
+
+A schedule from a generator is valid by construction; a custom one (written by hand, loaded from text
+or JSON) may not be, and the runtime would otherwise fail mid-step or wait forever. The checks go from
+local to global, so the first error is the most specific one: each action on its own (its stage lives
+on this rank, its micro-batch exists, SEND/RECV name a route and a peer), then each stage's set of
+actions (exactly one F, B -- and W iff the backward is split -- per micro-batch, one OPT), then each
+stage's order (F < B < W < OPT), then a dry run of all ranks together (deadlocks, lost messages).
+"""
+from __future__ import annotations
+
+from .actions import CHANNELS, Action, Kind, Schedule
+from .execution import ScheduleError, execute, fail
+
+PER_MICROBATCH = (Kind.F, Kind.B, Kind.W)  # in the order one stage must run them for a micro-batch
+COUNTED = PER_MICROBATCH + (Kind.OPT,)  # exactly once per stage (and micro-batch)
+
+
+def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_ranks: list[int],
+             split_backward: bool = False, collectives: bool = False) -> None:
+    """Raise ``ScheduleError`` naming the first rank, step and action at fault, if any.
+
+    ``stage_ranks[s]`` is the rank that holds stage ``s``. ``collectives``: the OPT actions hold
+    collectives every rank must join, so they must be reachable as one barrier.
+    """
+    if len(stage_ranks) != num_stages:
+        raise ValueError(f"stage_ranks has {len(stage_ranks)} entries for {num_stages} stages")
+    kinds = PER_MICROBATCH if split_backward else PER_MICROBATCH[:2]
+    seen: dict[tuple, tuple[int, int, Action]] = {}  # (kind, stage, micro-batch) -> rank, step, action
+    for r, acts in sorted(schedule.items()):
+        for i, a in enumerate(acts):
+            _check_action(r, i, a, num_stages, num_microbatches, stage_ranks, split_backward)
+            if a.kind in COUNTED:
+                key = (a.kind, a.stage, a.microbatch)
+                if key in seen:
+                    what = "OPT" if a.kind is Kind.OPT else f"{a.kind.value} of micro-batch {a.microbatch}"
+                    raise fail(r, i, a, f"stage {a.stage} runs {what} twice")
+                seen[key] = (r, i, a)
+    for s in range(num_stages):
+        for k in kinds:
+            missing = [mb for mb in range(num_microbatches) if (k, s, mb) not in seen]
+            if missing:
+                mbs = f"micro-batch{'es' * (len(missing) > 1)} {', '.join(map(str, missing))}"
+                raise ScheduleError(f"stage {s} lacks {k.value} of {mbs}", stage_ranks[s])
+        if (Kind.OPT, s, None) not in seen:
+            raise ScheduleError(f"stage {s} lacks its OPT", stage_ranks[s])
+    for r, acts in sorted(schedule.items()):
+        _check_order(r, acts, num_microbatches, kinds)
+    execute(schedule, num_stages, lambda a: 0.0, collectives)
+
+
+def _check_action(r: int, i: int, a: object, num_stages: int, num_microbatches: int, stage_ranks: list[int],
+                  split_backward: bool) -> None:
+    if not isinstance(a, Action):
+        raise ScheduleError(f"rank {r}, step {i}: {a!r} is not an Action (parse_action reads text)", r, i)
+    if not (isinstance(a.stage, int) and 0 <= a.stage < num_stages):
+        raise fail(r, i, a, f"stage {a.stage} does not exist (stages 0..{num_stages - 1})")
+    if stage_ranks[a.stage] != r:
+        raise fail(r, i, a, f"stage {a.stage} is placed on rank {stage_ranks[a.stage]}, not rank {r}")
+    if a.kind is Kind.OPT:
+        return
+    if not (isinstance(a.microbatch, int) and 0 <= a.microbatch < num_microbatches):
+        raise fail(r, i, a, f"micro-batch {a.microbatch} does not exist "
+                            f"(micro-batches 0..{num_microbatches - 1})")
+    if a.kind is Kind.W and not split_backward:
+        raise fail(r, i, a, "a W action, but this schedule does not split the backward "
+                            "(split_backward=False)")
+    if a.kind in (Kind.SEND, Kind.RECV) and not (
+            isinstance(a.route, int) and a.route >= 0 and isinstance(a.peer, int)
+            and 0 <= a.peer < num_stages and a.peer != a.stage and a.channel in CHANNELS):
+        raise fail(r, i, a, f"{a.kind.value} needs a route index, a peer stage other than its own "
+                            f"(0..{num_stages - 1}) and a channel F, B or FB")
+
+
+def _check_order(r: int, acts: list[Action], num_microbatches: int, kinds: tuple[Kind, ...]) -> None:
+    """Per stage and micro-batch F < B (< W), and every B (and W) before the stage's OPT."""
+    done: set[tuple] = set()
+    for i, a in enumerate(acts):
+        if a.kind in (Kind.B, Kind.W):
+            before = kinds[kinds.index(a.kind) - 1]
+            if (before, a.stage, a.microbatch) not in done:
+                raise fail(r, i, a, f"{a.kind.value} of micro-batch {a.microbatch} comes before its "
+                                    f"{before.value} on stage {a.stage}")
+        elif a.kind is Kind.OPT:
+            late = [mb for mb in range(num_microbatches) if (kinds[-1], a.stage, mb) not in done]
+            if late:
+                raise fail(r, i, a, f"OPT of stage {a.stage} comes before its {kinds[-1].value} "
+                                    f"of micro-batch {late[0]}")
+        done.add((a.kind, a.stage, a.microbatch))
