@@ -40,7 +40,8 @@ MODELS = {
 }
 
 
-def measure(model: str, schedule: str, steps: int) -> dict:
+def prepare(model: str, schedule: str):
+    """A traced executor ready to run one step of ``model`` under ``schedule``."""
     build, batch_size = MODELS[model]
     net = build(LAYOUTS[schedule])
     with paddle.static.program_guard(net.main, net.startup):
@@ -50,16 +51,29 @@ def measure(model: str, schedule: str, steps: int) -> dict:
     exe.run(net.startup)
     batch = net.random_batch(batch_size)
     exe.run(net.main, feed=batch)  # warm-up
-    runs = []
+    return exe, net, batch
+
+
+def measure(model: str, steps: int) -> dict[str, dict]:
+    """Interleaved rounds (one step of every schedule each), so that the machine's drifts in speed hit
+    all schedules alike; the median round of each is reported."""
+    prepared = {schedule: prepare(model, schedule) for schedule in LAYOUTS}
+    runs: dict[str, list[tuple]] = {schedule: [] for schedule in LAYOUTS}
     for _ in range(steps):
-        start = time.perf_counter()
-        exe.run(net.main, feed=batch)
-        wall = time.perf_counter() - start
-        timeline = exe.timeline(net.main)
-        runs.append((wall, timeline.bubble(), timeline.predicted().total / timeline.total))
-    exe.close()
-    wall, bubble, efficiency = (statistics.median(x) for x in zip(*runs))
-    return {"step": wall, "bubble": bubble, "efficiency": efficiency, "samples/s": batch_size / wall}
+        for schedule, (exe, net, batch) in prepared.items():
+            start = time.perf_counter()
+            exe.run(net.main, feed=batch)
+            wall = time.perf_counter() - start
+            timeline = exe.timeline(net.main)
+            runs[schedule].append((wall, timeline.bubble(), timeline.predicted().total / timeline.total))
+    batch_size = MODELS[model][1]
+    results = {}
+    for schedule, (exe, _, _) in prepared.items():
+        exe.close()
+        wall, bubble, efficiency = (statistics.median(x) for x in zip(*runs[schedule]))
+        results[schedule] = {"step": wall, "bubble": bubble, "efficiency": efficiency,
+                             "samples/s": batch_size / wall}
+    return results
 
 
 def main() -> None:
@@ -68,9 +82,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     for model in (["mlp", "resnet"] if args.model == "all" else [args.model]):
-        results = {s: measure(model, s, args.steps) for s in LAYOUTS}
+        results = measure(model, args.steps)
         base = results["1F1B"]
-        print(f"\n{model}: median of {args.steps} steps")
+        print(f"\n{model}: median of {args.steps} interleaved rounds")
         print(f"{'schedule':<12} {'s/step':>8} {'samples/s':>10} {'vs 1F1B':>8} {'bubble':>7} "
               f"{'bubble vs 1F1B':>15} {'bound/measured':>15}")
         for name, r in results.items():

@@ -1,5 +1,7 @@
 """Throughput of a 2-stage pipeline against the unsplit program, measured side by side in one run.
 
+The pipeline row runs 1F1B; a last row shows the zero-bubble ZB-H1 schedule on the same stages.
+
 Config (issue #2): MLP 8 x 2048, global batch 2048, 8 micro-batches of 256 rows, one thread per stage.
 Compared with: the unsplit program on 1 intra-op thread, the unsplit program on 2 threads, and naive
 model parallelism (the same two stages one after another, no micro-batches). Ratios > 1 favour the
@@ -23,18 +25,18 @@ from staticpipe._paddle import core, paddle  # noqa: E402
 from models import build_mlp  # noqa: E402
 
 
-def build(args, guarded: bool, microbatches: int):
+def build(args, guarded: bool, microbatches: int, schedule: str = "1F1B"):
     net = build_mlp(num_stages=2, guarded=guarded, in_dim=args.width, hidden=args.width, depth=args.depth)
     with paddle.static.program_guard(net.main, net.startup):
         opt = paddle.optimizer.Momentum(0.01, momentum=0.9)
         if guarded:
-            opt = staticpipe.PipelineOptimizer(opt, num_microbatches=microbatches)
+            opt = staticpipe.PipelineOptimizer(opt, num_microbatches=microbatches, schedule=schedule)
         opt.minimize(net.loss)
     return net
 
 
-def pipeline(args, microbatches: int, batch) -> Callable[[], None]:
-    net = build(args, True, microbatches)
+def pipeline(args, microbatches: int, batch, schedule: str = "1F1B") -> Callable[[], None]:
+    net = build(args, True, microbatches, schedule)
     exe = staticpipe.Executor(threads_per_stage=1)
     exe.run(net.startup)
     return lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])
@@ -70,6 +72,7 @@ def main() -> None:
         "unsplit, 1 thread": unsplit(args, 1, batch),
         "unsplit, 2 threads": unsplit(args, 2, batch),
         "naive model parallel (2 stages, 1 micro-batch)": pipeline(args, 1, batch),
+        "pipeline 2 stages x 1 thread, ZB-H1": pipeline(args, args.microbatches, batch, "ZB-H1"),
     }
     # Interleaved rounds: a slow spell of the machine hits every configuration alike, and the median
     # of each configuration's rounds is compared.

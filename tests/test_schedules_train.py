@@ -1,0 +1,121 @@
+"""Every schedule trains to the same parameters as single-device training; traced steps give timelines."""
+from __future__ import annotations
+
+import json
+import re
+from functools import partial
+
+import pytest
+
+import staticpipe
+from models import build_mlp, build_resnet
+from pipeline_util import assert_same_training, minimize, train_twins
+from staticpipe._paddle import np, paddle
+from staticpipe.schedule import ScheduleError, format_schedule
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYOUTS = {
+    "F-then-B": ["gpu:0", "gpu:1", "gpu:2"],
+    "1F1B": ["gpu:0", "gpu:1", "gpu:2"],
+    "interleaved": ["gpu:0", "gpu:1", "gpu:0", "gpu:1"],
+    "ZB-H1": ["gpu:0", "gpu:1", "gpu:2"],
+    "ZB-V": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+}
+
+
+def momentum():
+    return paddle.optimizer.Momentum(0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("schedule", sorted(LAYOUTS))
+def test_every_schedule_equals_single_device(schedule):
+    devices = LAYOUTS[schedule]
+    builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices)
+    assert_same_training(train_twins(builder, momentum, num_microbatches=4, schedule=schedule))
+
+
+@pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V", "interleaved"])
+def test_split_and_chunked_schedules_with_batch_norm(schedule):
+    """Convolutions, batch norm (statistics per micro-batch) and their split B/W kernels: equal to the
+    same pipeline under 1F1B, which equals Paddle's gradient merge on one device (test_training_parity)."""
+    devices = LAYOUTS[schedule]
+    states = []
+    # the same layers split into the same stages; 1F1B gives each stage a device of its own
+    for sched, stage_devices in ((schedule, devices), ("1F1B", None)):
+        net = build_resnet(depth=50, num_stages=len(devices), width=8, image_size=16, stage_devices=stage_devices)
+        minimize(net, momentum(), dict(num_microbatches=4, schedule=sched))
+        exe = staticpipe.Executor()
+        exe.run(net.startup)
+        for step in range(2):
+            exe.run(net.main, feed=net.random_batch(8, seed=step))
+        states.append(exe.state_dict(net.main))
+    for name, value in states[1].items():
+        np.testing.assert_allclose(states[0][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_zero_bubble_sections_split_weight_gradients():
+    net = build_mlp(num_stages=2)
+    minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-H1"))
+    plan = staticpipe.plan_of(net.main)
+    for stage in plan.stages:
+        bwd = stage.sections["backward"].program.global_block()
+        wgt = stage.sections["weight"].program.global_block()
+        # B computes no parameter gradient and accumulates nothing; W does both
+        assert not any(n.split("@GRAD")[0] in stage.parameters for op in bwd.ops for n in op.output_arg_names)
+        assert sorted(op.output("Out")[0] for op in wgt.ops if op.type == "sum") == sorted(stage.grad_buffers)
+    assert "1W0" in format_schedule(plan.actions)
+
+
+def test_custom_schedule_is_validated_and_runs():
+    twin = train_twins(partial(build_mlp, num_stages=2), momentum, num_microbatches=2,
+                       schedule="rank 0: 0F0 0F1 0B1 0B0 0OPT\nrank 1: 1F0 1B0 1F1 1B1 1OPT")
+    assert_same_training(twin)
+    deadlock = "rank 0: 0F0 0B0 0F1 0B1 0OPT\nrank 1: 1F0 1F1 1B0 1B1 1OPT"  # rank 0 waits for 1B0 before 0F1
+    net = build_mlp(num_stages=2)
+    with pytest.raises(ScheduleError, match=r"deadlock"):
+        minimize(net, momentum(), dict(num_microbatches=2, schedule=deadlock))
+
+
+def test_schedule_layout_errors_name_the_fix():
+    net = build_mlp(num_stages=2)
+    with pytest.raises(ValueError, match=re.escape(
+            "schedule ZB-V cannot run this program: it needs 4 stages on the 2 devices ['gpu:0', 'gpu:1'] in the "
+            "order ['gpu:0', 'gpu:1', 'gpu:1', 'gpu:0'], but the program's guards give 2 stages on "
+            "['gpu:0', 'gpu:1']; separate consecutive stages on one device with staticpipe.split_point()")):
+        minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-V"))
+    net = build_mlp(num_stages=4, stage_devices=LAYOUTS["interleaved"])
+    with pytest.raises(ValueError, match=re.escape(
+            "interleaved 1F1B needs num_microbatches to be a multiple of the number of devices (2); got 5: "
+            "use 4 or 6")):
+        minimize(net, momentum(), dict(num_microbatches=5, schedule="interleaved"))
+
+
+def test_traced_step_exports_a_timeline(tmp_path, capsys):
+    net = build_mlp(num_stages=2)
+    minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-H1"))
+    exe = staticpipe.Executor(trace=True)
+    exe.run(net.startup)
+    exe.run(net.main, feed=net.random_batch(16))
+    timeline = exe.timeline(net.main)
+    plan = staticpipe.plan_of(net.main)
+    assert len(timeline.events) == sum(len(a) for a in plan.actions.values())
+    assert 0.0 <= timeline.bubble() < 1.0
+    assert timeline.predicted().total <= timeline.total * 1.001  # the bound never exceeds the measurement
+    trace = tmp_path / "step.json"
+    timeline.to_chrome(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert sorted(e["name"] for e in events if e["ph"] == "X") == sorted(
+        str(a) for acts in plan.actions.values() for a in acts)
+    png = tmp_path / "step.png"
+    timeline.to_png(str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+    loader.set_sample_generator(net.sample_reader(32), batch_size=16)
+    untraced = staticpipe.Executor()
+    untraced.run(net.startup)
+    untraced.train_from_dataset(net.main, loader, debug=True, print_period=1)
+    assert not untraced.trace
+    assert re.search(r"^step 2 timeline: step [\d.]+ s, bubble [\d.]+, schedule bound [\d.]+ s; busy rank 0: ",
+                     capsys.readouterr().err, re.M)
