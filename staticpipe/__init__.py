@@ -7,7 +7,9 @@ from .optimizer import PipelineOptimizer
 from .placement import Device, device_guard, parse_device, split_point
 from .plan import Plan
 from .runtime import Executor, StageError, plan_of
+from .checkpoint import load, save
+from .export import export_inference
 from .verify import VerifyReport, verify
 
 __all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError",
-           "plan_of", "io", "schedule", "verify", "VerifyReport"]
+           "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference"]

@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._paddle import framework, paddle
-from .plan import Plan
+from .plan import PLAN_ATTR, Plan
 from .rewrite import build_plan, check_micro_batch_size, custom_schedule
-from .runtime.executor import PLAN_ATTR
 from .schedule import canonical_name, check_microbatches
 
 

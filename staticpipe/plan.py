@@ -185,3 +185,11 @@ class Plan:
         for rank, acts in sorted(self.actions.items()):
             lines.append(f"    rank {rank} ({self.ranks[rank]}): {' '.join(str(a) for a in acts)}")
         return "\n".join(lines)
+
+
+PLAN_ATTR = "_staticpipe_plan"  # the attribute PipelineOptimizer.minimize sets on main and startup programs
+
+
+def plan_of(program: "paddle.static.Program") -> Plan | None:
+    """The pipeline plan attached to ``program``, or None for a program that was not rewritten."""
+    return getattr(program, PLAN_ATTR, None)

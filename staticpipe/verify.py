@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._paddle import framework, np, paddle
-from .plan import Plan
-from .runtime.executor import Executor, plan_of
+from .plan import Plan, plan_of
+from .runtime.executor import Executor
 
 
 @dataclass

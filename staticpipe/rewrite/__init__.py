@@ -9,6 +9,7 @@ from typing import Iterable
 
 from .._paddle import framework
 from ..plan import Plan
+from ..schedule.actions import F
 from ..schedule import Kind, Schedule, check_microbatches, get_kind, lower, make_schedule, parse_schedule, validate
 from .programs import clear_device_tags, np_dtype, split_at_comm_ops, without_comm_ops
 from .sections import MERGED_SUFFIX, build_sections
@@ -70,6 +71,32 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
                 replicated=replicated)
 
 
+FORWARD_ONLY = "forward-only"  # the schedule name of evaluation plans
+
+
+def build_forward_plan(program: framework.Program, num_microbatches: int = 1, chunked: bool = False,
+                       micro_batch_size: int | None = None) -> Plan:
+    """A forward-only plan for an evaluation program (``main.clone(for_test=True)`` taken before
+    ``minimize``): the same stages as training, every rank running its forwards micro-batch by
+    micro-batch. ``chunked`` must match the training plan's (several stages per device)."""
+    check_microbatches(num_microbatches)
+    assignment = assign_stages(program, chunked=chunked)
+    if any(role != "forward" for role in assignment.role):
+        raise ValueError("an evaluation program must hold forward ops only: take main_program.clone(for_test=True) "
+                         "before minimize")
+    ranks = list(dict.fromkeys(assignment.devices))
+    stages, routes, data_vars, producers, _ = build_sections(program, assignment, num_microbatches,
+                                                             micro_batch_size)
+    for stage in stages:
+        stage.rank = ranks.index(stage.device)
+    compute = {r: [F(s.index, mb) for mb in range(num_microbatches) for s in stages if s.rank == r]
+               for r in range(len(ranks))}
+    return Plan(stages=stages, routes=routes, num_microbatches=num_microbatches, schedule=FORWARD_ONLY,
+                actions=lower(compute, routes), ranks=ranks, data_vars=data_vars,
+                data_specs=_data_specs(program, data_vars, num_microbatches), loss="", producers=producers,
+                micro_batch_size=micro_batch_size)
+
+
 def custom_schedule(schedule: str | Schedule) -> Schedule | None:
     """A user-written schedule (a dict, or text in ``format_schedule``'s form), or None for a name."""
     if isinstance(schedule, dict):
@@ -102,4 +129,4 @@ def _data_specs(program: framework.Program, data_vars: dict, num_microbatches: i
     return specs
 
 
-__all__ = ["build_plan", "custom_schedule", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]
+__all__ = ["FORWARD_ONLY", "build_plan", "build_forward_plan", "custom_schedule", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
+import shutil
 import time
 from typing import Any, Iterable, Sequence
 
+from .. import checkpoint
 from .._paddle import core, framework, np, paddle
 from ..io import FeedSpec, split_microbatches
-from ..plan import FORWARD, Plan
-from ..rewrite import clear_device_tags
+from ..plan import FORWARD, PLAN_ATTR, Plan, plan_of
+from ..rewrite import FORWARD_ONLY, build_forward_plan, clear_device_tags
 from .channel import Channel, InProcessChannel, PipelineAborted
 from .places import place_of
 from .progress import Progress
@@ -23,13 +26,6 @@ from ..trace import Timeline
 from .worker import DeviceWorker, StageError, StepJob, StepResult
 
 log = logging.getLogger("staticpipe")
-PLAN_ATTR = "_staticpipe_plan"
-
-
-def plan_of(program: framework.Program) -> Plan | None:
-    return getattr(program, PLAN_ATTR, None)
-
-
 def _names(fetch_list: Sequence | None) -> list[str]:
     return [v if isinstance(v, str) else v.name for v in (fetch_list or [])]
 
@@ -56,6 +52,7 @@ class Executor:
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
         self._channel: Channel = InProcessChannel()
         self.trace = trace
+        self.global_step = 0  # training steps run (restored by staticpipe.load)
         self._records: list[tuple] = []  # (action, start, end) of the last step, when tracing
 
     # --- devices ------------------------------------------------------------------------------------
@@ -154,6 +151,8 @@ class Executor:
                  for s, st in enumerate(plan.stages)}
         where, persist = self._locate_fetches(plan, fetch)
         fetched = self._run_actions(plan, feeds, where)
+        if plan.schedule != FORWARD_ONLY:
+            self.global_step += 1
         out = []
         for name in fetch:
             if name in persist:
@@ -238,7 +237,8 @@ class Executor:
     def train_from_dataset(self, program: framework.Program, dataset: Any = None, scope: Any = None,
                            thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,
                            fetch_info: Sequence[str] | None = None, print_period: int = 100,
-                           lr_step: str | None = None) -> list[list]:
+                           lr_step: str | None = None, checkpoint_dir: str | None = None,
+                           checkpoint_every: int | None = None, keep_last: int = 3) -> list[list]:
         """Train ``program`` on one epoch of ``dataset`` (a ``staticpipe.io.DataLoader``).
 
         Returns the fetched values of every step (a list per step, in ``fetch_list`` order). ``thread``
@@ -248,6 +248,8 @@ class Executor:
         measured bubble, the schedule's bound, busy time per rank -- is logged every ``print_period``
         steps and after the last. ``lr_step`` advances the program's learning-rate scheduler
         after every step ("step") or after the epoch ("epoch"); None leaves ``scheduler.step()`` to you.
+        ``checkpoint_dir``: save a checkpoint (``staticpipe.save``) named ``step-<global step>`` there
+        every ``checkpoint_every`` steps and after the epoch, keeping the last ``keep_last``.
         """
         plan = plan_of(program)
         if plan is None:
@@ -263,6 +265,12 @@ class Executor:
         if lr_step is not None and getattr(program, "lr_scheduler", None) is None:
             raise ValueError(f"lr_step={lr_step!r} needs an optimizer with a paddle.optimizer.lr.LRScheduler "
                              "learning rate; this program's learning rate is constant")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1
+                                             or checkpoint_dir is None):
+            raise ValueError(f"checkpoint_every must be an integer >= 1 and needs checkpoint_dir, got "
+                             f"checkpoint_every={checkpoint_every!r}, checkpoint_dir={checkpoint_dir!r}")
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
         names = _names(fetch_list)
         labels = list(fetch_info) if fetch_info else ["loss" if n == plan.loss else n for n in names]
         if len(labels) != len(names):
@@ -281,13 +289,50 @@ class Executor:
                     progress.update(len(next(iter(batch.values()))), values, time.perf_counter() - started)
                     if self.trace and len(history) % print_period == 0:
                         progress.note(f"step {len(history)} timeline: {self.timeline(program).summary()}")
+                    if checkpoint_every and self.global_step % checkpoint_every == 0:
+                        self._checkpoint(program, checkpoint_dir, keep_last)
                 if self.trace and history and len(history) % print_period:
                     progress.note(f"step {len(history)} timeline: {self.timeline(program).summary()}")
+                if checkpoint_dir is not None and history and not (
+                        checkpoint_every and self.global_step % checkpoint_every == 0):
+                    self._checkpoint(program, checkpoint_dir, keep_last)
         finally:
             self.trace = tracing
         if lr_step == "epoch":
             program.lr_scheduler.step()
         return history
+
+    def evaluate(self, program: framework.Program, dataset: Any, fetch_list: Sequence,
+                 num_microbatches: int = 1, like: framework.Program | None = None) -> list[np.ndarray]:
+        """Run the evaluation program over one epoch of ``dataset`` as a forward-only pipeline on the
+        trained stages and return each fetched value averaged over all samples (batches weighted by
+        their size), which equals single-device evaluation of means such as loss and accuracy.
+
+        ``program``: ``main.clone(for_test=True)`` taken before ``minimize``; it is rewritten once
+        (the plan is kept on it). ``like``: the training program, whose chunking it follows.
+        """
+        plan = plan_of(program)
+        if plan is None:
+            trained = plan_of(like) if like is not None else None
+            chunked = trained is not None and len(trained.stages) > len(trained.ranks)
+            plan = build_forward_plan(program, num_microbatches, chunked)
+            setattr(program, PLAN_ATTR, plan)
+        names = _names(fetch_list)
+        totals, samples = None, 0
+        for batch in dataset.epoch():
+            n = len(next(iter(batch.values())))
+            values = [np.asarray(v, dtype=np.float64) for v in self._step(plan, batch, names)]
+            totals = [v * n for v in values] if totals is None else [t + v * n for t, v in zip(totals, values)]
+            samples += n
+        if totals is None:
+            raise ValueError("the evaluation data set gave no batch")
+        return [t / samples for t in totals]
+
+    def _checkpoint(self, program: framework.Program, directory: str, keep_last: int) -> None:
+        checkpoint.save(program, os.path.join(directory, f"step-{self.global_step:08d}"), self, self.global_step)
+        saved = sorted(d for d in os.listdir(directory) if d.startswith("step-") and "." not in d)
+        for old in saved[:-keep_last]:
+            shutil.rmtree(os.path.join(directory, old))
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         """Per stage, the peak activation bytes and micro-batches held between forward and backward
@@ -319,16 +364,18 @@ class Executor:
                     state.setdefault(name, np.array(var.get_tensor()))
         return state
 
-    def set_state_dict(self, program: framework.Program, state: dict[str, Any]) -> None:
-        """Write ``state`` (name -> array) into every stage that holds each name."""
+    def set_state_dict(self, program: framework.Program, state: dict[str, Any], strict: bool = True) -> None:
+        """Write ``state`` (name -> array) into every stage that holds each name. Names no stage holds
+        are an error, or skipped with ``strict=False`` (a single-device checkpoint may hold more)."""
         plan = plan_of(program)
         if plan is None:
             for name, value in state.items():
                 self._plain_scope.var(name).get_tensor().set(np.asarray(value), self.place)
             return
         unknown = [n for n in state if not plan.stage_of_var(n)]
-        if unknown:
+        if unknown and strict:
             raise KeyError(f"set_state_dict: no stage holds {unknown}")
+        state = {n: v for n, v in state.items() if n not in unknown}
         for name, value in state.items():
             for s in plan.stage_of_var(name):
                 worker = self.worker(plan.stages[s].device)
@@ -359,4 +406,4 @@ def _combine(plan: Plan, name: str, values: list[np.ndarray]) -> np.ndarray:
     return np.mean(np.stack(values), axis=0).astype(values[0].dtype)
 
 
-__all__ = ["Executor", "StageError", "plan_of", "PLAN_ATTR"]
+__all__ = ["Executor", "StageError", "plan_of"]

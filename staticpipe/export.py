@@ -1,0 +1,31 @@
+"""Inference export: the stages merged back into one program that plain Paddle loads and runs.
+
+The main program of a pipeline is still the whole single-device program (the plan sits beside it), so
+exporting is Paddle's own ``save_inference_model`` on it, pruned to the requested outputs, with the
+trained values gathered from every stage and the device tags removed.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from ._paddle import framework, paddle
+from .rewrite import clear_device_tags
+
+if TYPE_CHECKING:
+    from .runtime.executor import Executor
+
+
+def export_inference(program: framework.Program, feed_vars: Sequence, fetch_vars: Sequence, path: str,
+                     exe: "Executor") -> None:
+    """Write ``path.pdmodel`` / ``path.pdiparams`` (``paddle.static.load_inference_model`` format)."""
+    state = exe.state_dict(program)
+    scope = paddle.static.Scope()
+    for name, value in state.items():
+        scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    inference = clear_device_tags(program.clone(for_test=True))
+    block = inference.global_block()
+    feeds = [block.var(v if isinstance(v, str) else v.name) for v in feed_vars]
+    fetches = [block.var(v if isinstance(v, str) else v.name) for v in fetch_vars]
+    with paddle.static.scope_guard(scope):
+        paddle.static.save_inference_model(path, feeds, fetches, paddle.static.Executor(paddle.CPUPlace()),
+                                           program=inference)

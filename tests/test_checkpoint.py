@@ -1,0 +1,208 @@
+"""Checkpoints, exact resume, evaluation and inference export of pipelined programs."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import staticpipe
+from models import build_mlp, build_resnet
+from pipeline_util import minimize
+from staticpipe._paddle import np, paddle
+
+pytestmark = pytest.mark.timeout(300)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def trained(builder=build_mlp, steps=2, optimizer=lambda: paddle.optimizer.Adam(0.01), **kw):
+    net = builder(**kw)
+    minimize(net, optimizer(), dict(num_microbatches=2))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    for step in range(steps):
+        exe.run(net.main, feed=net.random_batch(8, seed=step))
+    return net, exe
+
+
+def test_checkpoint_round_trips_and_is_paddles_format(tmp_path):
+    net, exe = trained(num_stages=3)
+    path = str(tmp_path / "ck")
+    staticpipe.save(net.main, path, exe)
+    assert sorted(os.listdir(path)) == ["meta.json", "model.pdopt", "model.pdparams"]
+    state = exe.state_dict(net.main)
+    fresh_net, fresh = trained(num_stages=3, steps=0)
+    assert staticpipe.load(fresh_net.main, path, fresh)["step"] == 2 and fresh.global_step == 2
+    for name, value in fresh.state_dict(fresh_net.main).items():
+        np.testing.assert_array_equal(value, state[name], err_msg=name)
+    # into the single-device program with Paddle's own loader, and back
+    ref = build_mlp(num_stages=3, guarded=False)
+    minimize(ref, paddle.optimizer.Adam(0.01), None)
+    pexe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    with paddle.static.scope_guard(scope):
+        pexe.run(ref.startup)
+        paddle.static.load(ref.main, os.path.join(path, "model"), pexe)
+        for name, value in state.items():
+            np.testing.assert_array_equal(np.array(scope.find_var(name).get_tensor()), value, err_msg=name)
+        pexe.run(ref.main, feed=ref.random_batch(8, seed=9))
+        os.makedirs(tmp_path / "single")
+        paddle.static.save(ref.main, str(tmp_path / "single" / "model"))
+    staticpipe.load(fresh_net.main, str(tmp_path / "single"), fresh)
+    np.testing.assert_array_equal(fresh.state_dict(fresh_net.main)["fc_0.w_0"],
+                                  np.array(scope.find_var("fc_0.w_0").get_tensor()))
+
+
+def test_a_checkpoint_of_another_program_is_refused(tmp_path):
+    net, exe = trained(num_stages=2, hidden=32)
+    staticpipe.save(net.main, str(tmp_path / "ck"), exe)
+    other, other_exe = trained(num_stages=2, hidden=16, depth=5, steps=0)
+    with pytest.raises(ValueError) as err:
+        staticpipe.load(other.main, str(tmp_path / "ck"), other_exe)
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {str(tmp_path / 'ck')!r} does not match the program: missing ['fc_5.b_0', "
+                              "'fc_5.w_0']; unexpected none; wrong shapes ['fc_0.b_0: checkpoint [32], program [16]'")
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        staticpipe.load(net.main, str(tmp_path / "nothing"), exe)
+
+
+SAVER = """
+import os, sys, pickle
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import staticpipe
+from models import build_mlp
+from pipeline_util import minimize
+from staticpipe._paddle import paddle
+net = build_mlp(num_stages=2)
+minimize(net, paddle.optimizer.Adam(0.01), dict(num_microbatches=2))
+exe = staticpipe.Executor(); exe.run(net.startup)
+exe.run(net.main, feed=net.random_batch(8))
+staticpipe.save(net.main, {path!r}, exe)          # the previous checkpoint, complete
+exe.run(net.main, feed=net.random_batch(8, seed=1))
+{kill}
+staticpipe.save(net.main, {path!r}, exe)          # killed in the middle
+"""
+KILL_IN_WRITE = ("real = pickle.dump\n"
+                 "pickle.dump = lambda *a, **k: (real(*a, **k), os.kill(os.getpid(), 9))")
+KILL_AFTER_MOVING_ASIDE = ("real = os.rename\n"
+                           "os.rename = lambda a, b: (real(a, b), os.kill(os.getpid(), 9) if b.endswith('.old') else None)")
+
+
+@pytest.mark.parametrize("kill", [KILL_IN_WRITE, KILL_AFTER_MOVING_ASIDE], ids=["in-write", "after-move-aside"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, kill):
+    path = str(tmp_path / "ck")
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(repo=REPO, tests=os.path.join(REPO, "tests"), path=path, kill=kill))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+    assert proc.returncode == -9
+    net, exe = trained(num_stages=2, steps=1)
+    assert staticpipe.load(net.main, path, exe)["step"] == 1
+    previous = exe.state_dict(net.main)
+    for name, value in trained(num_stages=2, steps=1)[1].state_dict(net.main).items():
+        np.testing.assert_array_equal(previous[name], value, err_msg=name)
+
+
+RESUMER = """
+import sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+import staticpipe
+from models import build_mlp
+from pipeline_util import minimize
+from staticpipe._paddle import paddle
+net = build_mlp(num_stages=3)
+sched = paddle.optimizer.lr.CosineAnnealingDecay(0.01, T_max=5)
+minimize(net, paddle.optimizer.Adam(sched), dict(num_microbatches=2))
+exe = staticpipe.Executor(); exe.run(net.startup)
+first, count = {first}, {count}
+if {load}:
+    staticpipe.load(net.main, {path!r}, exe)
+for step in range(first, first + count):
+    exe.run(net.main, feed=net.random_batch(8, seed=step))
+    sched.step()
+staticpipe.save(net.main, {path!r}, exe)
+np.savez({out!r}, **exe.state_dict(net.main))
+"""
+
+
+def test_resume_in_a_new_process_is_bit_exact(tmp_path):
+    def run(first, count, load, path, out):
+        script = tmp_path / f"run{first}{count}.py"
+        script.write_text(RESUMER.format(repo=REPO, tests=os.path.join(REPO, "tests"), first=first, count=count,
+                                         load=load, path=str(path), out=str(out)))
+        subprocess.run([sys.executable, str(script)], check=True, capture_output=True, timeout=120)
+        return dict(np.load(out))
+
+    run(0, 2, False, tmp_path / "ck", tmp_path / "a.npz")
+    resumed = run(2, 2, True, tmp_path / "ck", tmp_path / "b.npz")
+    straight = run(0, 4, False, tmp_path / "straight", tmp_path / "c.npz")
+    assert resumed.keys() == straight.keys()
+    for name, value in straight.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+def test_periodic_checkpoints_keep_the_last_n(tmp_path):
+    net, exe = trained(num_stages=2, steps=0)
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+    loader.set_sample_generator(net.sample_reader(40), batch_size=8)
+    exe.train_from_dataset(net.main, loader, checkpoint_dir=str(tmp_path), checkpoint_every=2, keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000004", "step-00000005"]
+    fresh_net, fresh = trained(num_stages=2, steps=0)
+    assert staticpipe.load(fresh_net.main, str(tmp_path / "step-00000005"), fresh)["step"] == 5
+    with pytest.raises(ValueError, match=re.escape(
+            "checkpoint_every must be an integer >= 1 and needs checkpoint_dir, got checkpoint_every=2, "
+            "checkpoint_dir=None")):
+        exe.train_from_dataset(net.main, loader, checkpoint_every=2)
+
+
+@pytest.mark.parametrize("builder", [
+    lambda guarded=True: build_mlp(num_stages=3, guarded=guarded),
+    lambda guarded=True: build_resnet(num_stages=2, guarded=guarded, width=8, image_size=16)],
+    ids=["mlp", "resnet-batchnorm"])
+def test_pipelined_evaluation_equals_single_device(builder):
+    net = builder()
+    test = net.main.clone(for_test=True)
+    minimize(net, paddle.optimizer.Momentum(0.05, momentum=0.9), dict(num_microbatches=2))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    for step in range(2):
+        exe.run(net.main, feed=net.random_batch(8, seed=step))
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+    loader.set_sample_generator(net.sample_reader(40), batch_size=8)
+    got = exe.evaluate(test, loader, [net.loss, net.outputs["accuracy"]], num_microbatches=2, like=net.main)
+    # the reference: the unguarded twin's evaluation program on the same trained values, batch by batch
+    ref = builder(guarded=False)
+    ref_test = ref.main.clone(for_test=True)
+    pexe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    pexe.run(ref.startup, scope=scope)
+    for name, value in exe.state_dict(net.main).items():
+        if scope.find_var(name) is not None:
+            scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    sums = np.zeros(2)
+    for batch in loader.epoch():
+        sums += 8 * np.array([float(v) for v in pexe.run(ref_test, feed=batch, scope=scope,
+                                                         fetch_list=[ref.loss.name, ref.outputs["accuracy"].name])])
+    np.testing.assert_allclose(got, sums / 40, rtol=1e-5)
+    assert exe.global_step == 2  # evaluation does not count as training
+
+
+def test_inference_export_runs_in_plain_paddle(tmp_path):
+    net, exe = trained(builder=build_resnet, num_stages=2, width=8, image_size=16,
+                       optimizer=lambda: paddle.optimizer.Momentum(0.05, momentum=0.9))
+    path = str(tmp_path / "inference" / "model")
+    staticpipe.export_inference(net.main, [net.feeds[0]], [net.outputs["logits"]], path, exe)
+    ref = build_resnet(num_stages=2, guarded=False, width=8, image_size=16)
+    ref_test = ref.main.clone(for_test=True)
+    pexe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    pexe.run(ref.startup, scope=scope)
+    for name, value in exe.state_dict(net.main).items():
+        if scope.find_var(name) is not None:
+            scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    batch = net.random_batch(4, seed=5)
+    expected = pexe.run(ref_test, feed=batch, fetch_list=[ref.outputs["logits"].name], scope=scope)[0]
+    with paddle.static.scope_guard(paddle.static.Scope()):
+        program, feeds, fetches = paddle.static.load_inference_model(path, pexe)
+        got = pexe.run(program, feed={feeds[0]: batch["image"]}, fetch_list=fetches)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
