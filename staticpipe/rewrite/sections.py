@@ -26,6 +26,8 @@ from .stages import BWD, FWD, OPT, StageAssignment, grad_base, op_label
 MERGED_SUFFIX = "@MERGED"
 PARTIAL_SUFFIX = "@STAGE_PARTIAL"
 RECOMPUTE_SUFFIX = "@RECOMPUTE"
+WHOLE_IN_B = {"batch_norm_grad", "sync_batch_norm_grad", "layer_norm_grad", "group_norm_grad",
+              "instance_norm_grad"}
 
 
 @dataclass
@@ -66,12 +68,17 @@ def split_weight_gradients(block: framework.Block, ops: list[int], params: set[s
     """Split backward ops into B (activation gradients, on the critical path) and W (weight gradients).
 
     An op producing both kinds (``mul_grad``: dX and dW) is copied into both, each copy with the other
-    kind's outputs removed, which Paddle's grad kernels treat as "not needed".
+    kind's outputs removed, which Paddle's grad kernels treat as "not needed". Normalisation grads stay
+    whole in B: their scale/bias gradients are by-products of the input gradient, so a W copy would
+    compute most of the op a second time.
     Returns (B ops, their dropped outputs, W ops, their dropped outputs).
     """
     b_ops, b_drop, w_ops, w_drop = [], {}, [], {}
     for i in ops:
         outs = set(_names(block.ops[i].output_arg_names))
+        if block.ops[i].type in WHOLE_IN_B:
+            b_ops.append(i)
+            continue
         weight = {n for n in outs if grad_base(n) in params}
         if outs - weight or not outs:
             b_ops.append(i)
