@@ -9,7 +9,9 @@ from .plan import Plan
 from .runtime import Executor, StageError, plan_of
 from .checkpoint import load, save
 from .export import export_inference
+from .partition import auto_place, profile
 from .verify import VerifyReport, verify
 
 __all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError",
-           "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference"]
+           "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference",
+           "auto_place", "profile"]
