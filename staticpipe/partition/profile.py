@@ -1,0 +1,414 @@
+"""``profile``: what every forward op of a program costs on the real device, forward and backward.
+
+Why op by op: a partitioner that works at op level needs op-level costs, and Paddle's own profiler
+reports kernels, not the ops of *this* program. Each op is copied into a one-op program and run alone
+through the prepared-context executor (the one the pipeline's stage workers use, so the per-op
+interpreter overhead is counted as it will be paid), on inputs produced by one full run of the program:
+the values are real, so data-dependent kernels (embedding lookups, losses) do real work.
+
+The backward: a gradient op belongs to the forward op whose gradient it computes, found by data flow as
+the rewrite finds its stage (``rewrite/stages.py``): the gradient of op O reads O's output gradients,
+so O is the latest forward producer among the variables whose gradients the op reads or writes. A
+program without backward ops is differentiated on a throw-away clone.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+from .._paddle import core, framework, np, paddle
+from ..io import DataLoader
+from ..rewrite.programs import EMPTY_VAR, clear_device_tags, copy_ops
+from ..rewrite.stages import BWD, FWD, grad_base, op_label, role_of
+from ..runtime.places import generic_place, place_of
+from .layers import Layer, group_layers
+from .table import format_table, human_bytes
+
+LOSS_OP_TYPES = ("mean", "reduce_mean", "reduce_sum", "sum")  # what usually makes a loss scalar
+
+
+@dataclass
+class OpRow:
+    """One forward op. Times are medians of ``repeat`` runs, in seconds; bytes at the profiled batch."""
+
+    index: int  # in the program's global block
+    type: str
+    layer: int
+    forward_s: float
+    backward_s: float  # all gradient ops of this op together
+    param_bytes: int  # parameters the op reads
+    activation_bytes: int  # its non-persistable outputs
+    saved_bytes: int  # the part of them that backward ops read: held from forward to backward
+    flops: int  # forward, estimated; 0 where the op type has no estimate (see ``note``)
+    note: str = ""
+
+
+@dataclass
+class LayerRow:
+    """One layer (``layers.Layer``): sums over its ops; ``param_bytes`` counts each parameter once."""
+
+    index: int
+    name: str
+    ops: tuple[int, ...]
+    parameters: tuple[str, ...]
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    activation_bytes: int
+    saved_bytes: int
+    flops: int
+
+
+@dataclass
+class Profile:
+    device: str
+    batch_size: int
+    repeat: int
+    loss: str
+    ops: list[OpRow]
+    layers: list[LayerRow] = field(default_factory=list)
+    param_bytes: dict[str, int] = field(default_factory=dict)  # parameter -> bytes
+    var_bytes: dict[str, int] = field(default_factory=dict)  # forward activation -> bytes at the batch
+    notes: list[str] = field(default_factory=list)
+
+    def op(self, index: int) -> OpRow:
+        """The row of the op at ``index`` in the program; ``KeyError`` naming it if it has none."""
+        for row in self.ops:
+            if row.index == index:
+                return row
+        raise KeyError(f"op #{index} is not a profiled forward op")
+
+    def aggregate(self, layers: Iterable[Layer]) -> list[LayerRow]:
+        """Rows for any grouping of the profiled ops into layers (``auto_place`` groups with its cuts)."""
+        by_index = {row.index: row for row in self.ops}
+        rows = []
+        for layer in layers:
+            ops = [by_index[i] for i in layer.ops]
+            rows.append(LayerRow(layer.index, layer.name, layer.ops, layer.parameters,
+                                 sum(r.forward_s for r in ops), sum(r.backward_s for r in ops),
+                                 sum(self.param_bytes[p] for p in layer.parameters),
+                                 sum(r.activation_bytes for r in ops), sum(r.saved_bytes for r in ops),
+                                 sum(r.flops for r in ops)))
+        return rows
+
+    def check(self, program: framework.Program, forward: Iterable[int]) -> None:
+        """``ValueError`` unless this profile was taken on ``program`` (same forward ops, same types)."""
+        block = program.global_block()
+        by_index = {row.index: row for row in self.ops}
+        for i in forward:
+            row = by_index.get(i)
+            if row is None or row.type != block.ops[i].type:
+                raise ValueError(f"the profile does not match the program: {op_label(i, block.ops[i])} is "
+                                 f"{'not profiled' if row is None else f'profiled as {row.type!r}'}; "
+                                 "profile the program you place")
+
+    def table(self, level: str = "layers") -> str:
+        """The per-layer (``"layers"``) or per-op (``"ops"``) table with a total line."""
+        rows = _rows(self, level)
+        by_layer = level == "layers"
+
+        def cells(r: OpRow | LayerRow) -> list:
+            return [f"{r.forward_s * 1e3:.3f}", f"{r.backward_s * 1e3:.3f}", human_bytes(r.param_bytes),
+                    human_bytes(r.activation_bytes), human_bytes(r.saved_bytes), f"{r.flops / 1e6:.2f}"]
+
+        body = [[r.index, r.name, len(r.ops)] + cells(r) if by_layer else
+                [r.index, r.type, r.layer] + cells(r) + [r.note] for r in rows]
+        total = LayerRow(-1, "", (), (), sum(r.forward_s for r in rows), sum(r.backward_s for r in rows),
+                         sum(self.param_bytes.values()), sum(r.activation_bytes for r in rows),
+                         sum(r.saved_bytes for r in rows), sum(r.flops for r in rows))
+        body.append(["total", "", len(self.ops) if by_layer else ""] + cells(total) + ([] if by_layer else [""]))
+        headers = (["#", "layer", "ops"] if by_layer else ["#", "op", "layer"]) + [
+            "fwd ms", "bwd ms", "params", "activations", "saved", "MFLOP"] + ([] if by_layer else ["note"])
+        head = (f"Profile on {self.device}, batch {self.batch_size}, median of {self.repeat} runs, loss "
+                f"{self.loss}: {len(self.ops)} forward ops in {len(self.layers)} layers")
+        return "\n".join([head, format_table(headers, body)] + [f"note: {n}" for n in self.notes])
+
+    def __str__(self) -> str:
+        return self.table("layers")
+
+    def to_csv(self, path: str, level: str = "ops") -> None:
+        """One row per op (``level="ops"``) or per layer (``"layers"``), columns as the dataclass fields."""
+        rows = [asdict(r) for r in _rows(self, level)]
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+
+def _rows(profile: Profile, level: str) -> list:
+    if level not in ("ops", "layers"):
+        raise ValueError(f"level must be 'ops' or 'layers', got {level!r}")
+    return profile.ops if level == "ops" else profile.layers
+
+
+def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader, place: Any = None,
+            repeat: int = 3, startup: framework.Program | None = None, loss: Any = None) -> Profile:
+    """Measure every forward op of ``program`` (forward only, or already minimized) on ``place``.
+
+    ``feed``: one batch (``{name: array}``) or a ``staticpipe.io.DataLoader`` whose first batch is used;
+    profile at the micro-batch size you will train with: the costs are per micro-batch.
+    ``place``: a device string ("cpu", "gpu:k") or a Paddle place; default "gpu:0" (the CPU without CUDA).
+    ``startup``: initialises the parameters; without it they are filled with small random values (op
+    times do not depend on them). ``loss``: the variable (or name) to differentiate when ``program``
+    has no backward; by default the one scalar float output no op reads (preferring a mean or sum).
+    Timing runs on the calling thread with its intra-op thread budget (``core.set_num_threads``).
+    """
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
+    batch = _first_batch(feed)
+    if place is None or isinstance(place, str):
+        place = place_of(place or "gpu:0")
+    block = program.global_block()
+    for i, op in enumerate(block.ops):
+        if op.has_attr("sub_block"):
+            raise ValueError(f"{op_label(i, op)} has a sub-block (control flow), which staticpipe cannot profile")
+    work, origin, loss_name = _differentiated(program, loss)
+    wblock = work.global_block()
+    roles = [role_of(op, i) for i, op in enumerate(wblock.ops)]
+    forward_of = _gradient_owners(wblock, roles)
+
+    scope = core.Scope()
+    _initialise(work, startup, scope, place)
+    _feed(wblock, roles, batch, scope, place)
+    exe = core.Executor(generic_place(place))
+    names = [v.name for v in work.list_vars()]
+    exe.run_prepared_ctx(exe.prepare(work.desc, 0, names, False), scope, False, True, True)
+    sync = (lambda: core._cuda_synchronize(place)) if isinstance(place, core.CUDAPlace) else (lambda: None)
+
+    backward: dict[int, float] = {}
+    for j, i in forward_of.items():
+        backward[i] = backward.get(i, 0.0) + _time_op(exe, wblock, j, scope, repeat, sync)
+    read_by_backward = {n for j in forward_of for n in wblock.ops[j].input_arg_names}
+    params = {p.name: static_bytes(p) for p in block.all_parameters()}
+    rows, unestimated, var_bytes = [], set(), {}
+    layers = group_layers(program)
+    layer_of = {i: layer.index for layer in layers for i in layer.ops}
+    for j, role in enumerate(roles):
+        if role != FWD:
+            continue
+        op = wblock.ops[j]
+        outs = [n for n in _names(op.output_arg_names) if _is_activation(wblock._var_recursive(n))]
+        var_bytes.update((n, _bytes(scope, n)) for n in outs)
+        flops = _flops(op, lambda name: _shape(scope, name))
+        if flops is None:
+            unestimated.add(op.type)
+        rows.append(OpRow(origin[j], op.type, layer_of[origin[j]], _time_op(exe, wblock, j, scope, repeat, sync),
+                          backward.get(j, 0.0),
+                          sum(params[n] for n in dict.fromkeys(op.input_arg_names) if n in params),
+                          sum(var_bytes[n] for n in outs), sum(var_bytes[n] for n in outs if n in read_by_backward),
+                          flops or 0, "" if flops is not None else "FLOPs not estimated"))
+    result = Profile(_device_name(place), int(next(iter(batch.values())).shape[0]), repeat, loss_name, rows,
+                     param_bytes=params, var_bytes=var_bytes)
+    result.layers = result.aggregate(layers)
+    if unestimated:
+        result.notes.append(f"FLOPs are not estimated (counted as 0) for op types: {', '.join(sorted(unestimated))}")
+    return result
+
+
+def _device_name(place: core.Place) -> str:
+    return f"gpu:{place.get_device_id()}" if isinstance(place, core.CUDAPlace) else "cpu"
+
+
+def _first_batch(feed: dict | DataLoader) -> dict[str, np.ndarray]:
+    if isinstance(feed, dict):
+        if not feed:
+            raise ValueError("feed is empty: give one batch as {data variable name: array}")
+        return {name: np.asarray(value) for name, value in feed.items()}
+    if isinstance(feed, DataLoader):
+        if feed.iterable:
+            epoch = feed.epoch()
+            try:
+                return next(epoch)
+            finally:
+                epoch.close()
+        feed.start()
+        try:
+            return feed.next_batch()
+        finally:
+            feed.reset()
+    raise ValueError(f"feed must be a dict of arrays or a staticpipe.io.DataLoader, got {type(feed).__name__}")
+
+
+def _differentiated(program: framework.Program, loss: Any) -> tuple[framework.Program, list[int | None], str]:
+    """A copy of ``program`` with its forward and backward ops only (a backward is added when it has
+    none), the original index of each of its forward ops, and the loss name."""
+    roles = [role_of(op, i) for i, op in enumerate(program.global_block().ops)]
+    work = program.clone()
+    if BWD in roles:
+        kept = [i for i, r in enumerate(roles) if r in (FWD, BWD)]
+        wblock = work.global_block()
+        for i in reversed(range(len(roles))):
+            if roles[i] not in (FWD, BWD):
+                wblock._remove_op(i, sync=False)
+        wblock._sync_with_cpp()
+        name = loss if isinstance(loss, str) else getattr(loss, "name", None) or _loss_of_backward(work)
+    else:
+        kept = list(range(len(roles)))
+        name = loss if isinstance(loss, str) else getattr(loss, "name", None) or _find_loss(program)
+        if not work.global_block().has_var(name):
+            raise ValueError(f"loss '{name}' is not a variable of the program")
+        with paddle.static.program_guard(work, paddle.static.Program()):
+            paddle.static.append_backward(work.global_block().var(name))
+    clear_device_tags(work)
+    origin = [kept[j] if j < len(kept) and roles[kept[j]] == FWD else None
+              for j in range(len(work.global_block().ops))]
+    return work, origin, name
+
+
+def _find_loss(program: framework.Program) -> str:
+    block = program.global_block()
+    read = {n for op in block.ops for n in op.input_arg_names}
+    found = []  # (name, producing op type)
+    for op in block.ops:
+        for name in _names(op.output_arg_names):
+            var = block._var_recursive(name)
+            if name not in read and var.dtype in _FLOAT_TYPES and int(np.prod(var.shape or [1])) == 1:
+                found.append((name, op.type))
+    preferred = [n for n, t in found if t in LOSS_OP_TYPES]
+    for candidates in ([n for n, _ in found], preferred):
+        if len(candidates) == 1:
+            return candidates[0]
+    raise ValueError(f"cannot tell which variable is the loss (scalar float outputs no op reads: "
+                     f"{', '.join(n for n, _ in found) or 'none'}); pass loss=")
+
+
+def _loss_of_backward(program: framework.Program) -> str:
+    """The variable whose gradient the backward starts from: the output of the first backward op
+    (``fill_constant`` of ``<loss>@GRAD``)."""
+    first = next(op for i, op in enumerate(program.global_block().ops) if role_of(op, i) == BWD)
+    return grad_base(first.output_arg_names[0]) or first.output_arg_names[0]
+
+
+_FLOAT_TYPES = (core.VarDesc.VarType.FP32, core.VarDesc.VarType.FP64, core.VarDesc.VarType.FP16,
+                core.VarDesc.VarType.BF16)
+
+
+def _gradient_owners(block: framework.Block, roles: list[str]) -> dict[int, int]:
+    """Backward op index -> index of the forward op whose gradient it computes."""
+    producer: dict[str, int] = {}
+    first_reader: dict[str, int] = {}
+    params = {p.name for p in block.all_parameters()}
+    for i, role in enumerate(roles):
+        if role == FWD:
+            for name in block.ops[i].output_arg_names:
+                producer.setdefault(name, i)
+            for name in block.ops[i].input_arg_names:
+                if name in params:
+                    first_reader.setdefault(name, i)
+    owners = {}
+    for j, role in enumerate(roles):
+        if role != BWD:
+            continue
+        op = block.ops[j]
+        bases = [grad_base(n) for n in op.input_arg_names + op.output_arg_names]
+        cands = [producer[b] if b in producer else first_reader[b] for b in bases
+                 if b in producer or b in first_reader]
+        if not cands:
+            raise ValueError(f"backward {op_label(j, op)} computes no gradient of a forward variable; "
+                             "staticpipe cannot tell which forward op it belongs to")
+        owners[j] = max(cands)
+    return owners
+
+
+def _initialise(program: framework.Program, startup: framework.Program | None, scope: core._Scope,
+                place: core.Place) -> None:
+    if startup is not None:
+        startup = clear_device_tags(startup.clone())
+        paddle.static.Executor(place).run(startup, scope=scope)
+    rng = np.random.default_rng(0)
+    for var in program.list_vars():
+        found = scope.find_var(var.name)
+        if not var.persistable or (found is not None and found.get_tensor()._is_initialized()):
+            continue
+        if var.type != core.VarDesc.VarType.LOD_TENSOR:
+            continue
+        dtype = np.dtype(paddle.base.data_feeder.convert_dtype(var.dtype))
+        shape = [max(int(d), 1) for d in var.shape]
+        value = rng.uniform(-0.05, 0.05, shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
+        scope.var(var.name).get_tensor().set(value, place)
+
+
+def _feed(block: framework.Block, roles: list[str], batch: dict[str, np.ndarray], scope: core._Scope,
+          place: core.Place) -> None:
+    for i, op in enumerate(block.ops):
+        if roles[i] != FWD:
+            continue
+        for name in op.input_arg_names:
+            if getattr(block._var_recursive(name), "is_data", False) and name not in batch:
+                raise ValueError(f"feed has no value for data variable '{name}', which "
+                                 f"{op_label(i, op)} reads")
+    for name, value in batch.items():
+        if not block.has_var(name):
+            raise ValueError(f"feed names '{name}', which is not a variable of the program")
+        dtype = np.dtype(paddle.base.data_feeder.convert_dtype(block.var(name).dtype))
+        scope.var(name).get_tensor().set(np.asarray(value, dtype), place)
+
+
+def _time_op(exe: core.Executor, block: framework.Block, i: int, scope: core._Scope, repeat: int,
+             sync: Callable[[], None]) -> float:
+    """Median seconds of op ``i`` run alone, after one warm-up run (kernel choice, allocation)."""
+    program = paddle.static.Program()
+    copy_ops(program.global_block(), block, [i])
+    op = block.ops[i]
+    ctx = exe.prepare(program.desc, 0, _names(op.input_arg_names + op.output_arg_names), False)
+    times = []
+    for k in range(repeat + 1):
+        start = time.perf_counter()
+        exe.run_prepared_ctx(ctx, scope, False, True, True)
+        sync()
+        if k:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _names(names: list[str]) -> list[str]:
+    return [n for n in names if n and n != EMPTY_VAR]
+
+
+def static_bytes(var: framework.Variable) -> int:
+    """Bytes of ``var`` from its declared shape, every unknown (batch) dimension counted as 1."""
+    return int(np.prod([max(int(d), 1) for d in var.shape])) * core.size_of_dtype(var.dtype)
+
+
+def _is_activation(var: framework.Variable) -> bool:
+    return var.type == core.VarDesc.VarType.LOD_TENSOR and not var.persistable
+
+
+def _bytes(scope: core._Scope, name: str) -> int:
+    var = scope.find_var(name)
+    if var is None or not var.get_tensor()._is_initialized():
+        return 0
+    tensor = var.get_tensor()
+    return tensor._numel() * core.size_of_dtype(tensor._dtype())
+
+
+def _shape(scope: core._Scope, name: str) -> list[int]:
+    return list(scope.find_var(name).get_tensor().shape())
+
+
+def _flops(op: framework.Operator, shape: Callable[[str], list[int]]) -> int | None:
+    """Forward multiply-adds x 2 for matrix products and convolutions, one per element for elementwise
+    ops; None for any other op type."""
+    if op.type == "mul":
+        x, y = shape(op.input("X")[0]), shape(op.input("Y")[0])
+        xc, yc = op.attr("x_num_col_dims"), op.attr("y_num_col_dims")
+        return 2 * int(np.prod(x[:xc])) * int(np.prod(x[xc:])) * int(np.prod(y[yc:]))
+    if op.type in ("matmul", "matmul_v2"):
+        x, out = shape(op.input("X")[0]), shape(op.output("Out")[0])
+        trans = op.attr("trans_x" if op.type == "matmul_v2" else "transpose_X")
+        k = x[0] if len(x) == 1 else (x[-2] if trans else x[-1])
+        return 2 * int(np.prod(out)) * k
+    if op.type in ("conv2d", "depthwise_conv2d", "conv3d"):
+        out, kernel = shape(op.output("Output")[0]), shape(op.input("Filter")[0])
+        return 2 * int(np.prod(out)) * int(np.prod(kernel[1:]))
+    if op.type.startswith("elementwise_"):
+        return int(np.prod(shape(op.output("Out")[0])))
+    return None
