@@ -24,10 +24,11 @@ class PipelineAborted(RuntimeError):
 
 class Channel(ABC):
     @abstractmethod
-    def send(self, key: Hashable, message: Message) -> None: ...
+    def send(self, key: Hashable, message: Message, dst_stage: int) -> None: ...
 
     @abstractmethod
-    def recv(self, key: Hashable) -> Message: ...
+    def recv(self, key: Hashable, src_stage: int) -> Message:
+        """The message sent under ``key``; its values are tensors or numpy arrays."""
 
     @abstractmethod
     def allreduce(self, key: Hashable, member: int, value: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
@@ -50,7 +51,7 @@ class InProcessChannel(Channel):
         self._sums: dict[Hashable, dict] = {}
         self._aborted: str | None = None
 
-    def send(self, key: Hashable, message: Message) -> None:
+    def send(self, key: Hashable, message: Message, dst_stage: int) -> None:
         with self._cond:
             self._check()
             if key in self._box:
@@ -58,7 +59,7 @@ class InProcessChannel(Channel):
             self._box[key] = message
             self._cond.notify_all()
 
-    def recv(self, key: Hashable) -> Message:
+    def recv(self, key: Hashable, src_stage: int) -> Message:
         with self._cond:
             while key not in self._box:
                 self._check()

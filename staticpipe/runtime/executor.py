@@ -20,6 +20,7 @@ from ..io import FeedSpec, split_microbatches
 from ..plan import FORWARD, PLAN_ATTR, Plan, plan_of
 from ..rewrite import FORWARD_ONLY, build_forward_plan, clear_device_tags
 from .channel import Channel, InProcessChannel, PipelineAborted
+from .distributed import DistributedChannel, init_distributed, launched_world
 from .places import place_of
 from .progress import Progress
 from ..trace import Timeline
@@ -51,6 +52,10 @@ class Executor:
         self._workers: dict[str, DeviceWorker] = {}
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
         self._channel: Channel = InProcessChannel()
+        self._world = launched_world()  # (rank, size) when started by a multi-process launcher
+        if self._world is not None:
+            init_distributed()
+        self._channels: dict[int, Channel] = {}
         self.trace = trace
         self.global_step = 0  # training steps run (restored by staticpipe.load)
         self._records: list[tuple] = []  # (action, start, end) of the last step, when tracing
@@ -64,9 +69,29 @@ class Executor:
             if isinstance(budget, dict):
                 budget = budget.get(device, 1)
             self._threads[device] = cf.ThreadPoolExecutor(
-                1, thread_name_prefix=f"staticpipe-{device}", initializer=core.set_num_threads,
-                initargs=(budget,))
+                1, thread_name_prefix=f"staticpipe-{device}", initializer=_init_worker_thread, initargs=(budget,))
         return w
+
+    def local_stages(self, plan: Plan) -> list:
+        """The stages this process runs: all of them, or its rank's when launched as several processes."""
+        if self._world is None:
+            return list(plan.stages)
+        rank, size = self._world
+        if size != len(plan.ranks):
+            raise ValueError(f"the job has {size} processes but the plan has {len(plan.ranks)} devices "
+                             f"{plan.ranks}; launch one process per device")
+        return [s for s in plan.stages if s.rank == rank]
+
+    def _channel_for(self, plan: Plan) -> Channel:
+        if self._world is None:
+            return self._channel
+        channel = self._channels.get(id(plan))
+        if channel is None:
+            if len(plan.stages) != len(plan.ranks) and (plan.shared or plan.replicated):
+                raise ValueError("several stages per process with cross-stage reductions or shared parameters "
+                                 "are not supported across processes yet")
+            channel = self._channels[id(plan)] = DistributedChannel([s.rank for s in plan.stages])
+        return channel
 
     def scope_of(self, device: str) -> core._Scope:
         """The root scope holding the parameters and optimizer state of the stages on ``device``."""
@@ -116,7 +141,7 @@ class Executor:
     def _run_startup(self, startup: framework.Program, plan: Plan) -> None:
         host = core.Scope()
         paddle.static.Executor(core.CPUPlace()).run(_on_host(startup), scope=host)
-        for stage in plan.stages:
+        for stage in self.local_stages(plan):
             worker = self.worker(stage.device)
             for name in stage.persistables:
                 var = host.find_var(name)
@@ -154,8 +179,12 @@ class Executor:
         if plan.schedule != FORWARD_ONLY:
             self.global_step += 1
         out = []
+        local = {st.index for st in self.local_stages(plan)}
         for name in fetch:
-            if name in persist:
+            where_stage = persist[name] if name in persist else plan.producers[name].stage
+            if where_stage not in local:
+                out.append(None)  # computed by another process
+            elif name in persist:
                 out.append(np.array(self.scope_of(plan.stages[persist[name]].device).find_var(name).get_tensor()))
             else:
                 out.append(_combine(plan, name, fetched[name]))
@@ -176,20 +205,24 @@ class Executor:
         return where, persist
 
     def _run_actions(self, plan: Plan, feeds: dict, fetch: dict) -> dict[str, list[np.ndarray]]:
-        places = {s.index: self.worker(s.device).place for s in plan.stages}
-        self._channel.reset()
+        places = {s.index: place_of(s.device) for s in plan.stages}
+        local = self.local_stages(plan)
+        channel = self._channel_for(plan)
+        channel.reset()
         record = self._recorder()
         futures = {}
-        for rank, actions in plan.actions.items():
+        for stage in local:
+            self.worker(stage.device).prepare(plan, stage.index, fetch)
+        for rank in sorted({s.rank for s in local}):
             device = plan.ranks[rank]
-            job = StepJob(plan, actions, feeds, fetch, self._channel, places, record)
+            job = StepJob(plan, plan.actions[rank], feeds, fetch, channel, places, record)
             futures[self._threads[device].submit(self.worker(device).run_step, job)] = device
         try:
-            results = self._wait(futures)
+            results = self._wait(futures, channel)
         except BaseException:
             # micro-batches of the failed step may have reached the gradient buffers: empty them so the
             # next step starts clean
-            for stage in plan.stages:
+            for stage in local:
                 self.worker(stage.device).init_stage(plan, stage.index)
             raise
         fetched: dict[str, list[np.ndarray]] = {}
@@ -197,7 +230,7 @@ class Executor:
             fetched.update(r.fetched)
         return fetched
 
-    def _wait(self, futures: dict) -> list[StepResult]:
+    def _wait(self, futures: dict, channel: Channel) -> list[StepResult]:
         """Wait for every worker; on the first failure abort the rest and raise that stage's error."""
         pending = set(futures)
         failure: BaseException | None = None
@@ -208,9 +241,9 @@ class Executor:
                     exc = f.exception()
                     if exc is not None and not isinstance(exc, PipelineAborted) and failure is None:
                         failure = exc
-                        self._channel.abort(str(exc))
+                        channel.abort(str(exc))
         except BaseException:  # KeyboardInterrupt: stop every worker at its next receive, then re-raise
-            self._channel.abort("interrupted")
+            channel.abort("interrupted")
             cf.wait(pending)
             raise
         if failure is None:
@@ -356,7 +389,7 @@ class Executor:
                     for v in program.list_vars() if v.persistable and self._plain_scope.find_var(v.name)
                     and self._plain_scope.find_var(v.name).get_tensor()._is_initialized()}
         state = {}
-        for stage in plan.stages:
+        for stage in self.local_stages(plan):
             scope = self.scope_of(stage.device)
             for name in stage.persistables:
                 var = scope.find_var(name)
@@ -376,10 +409,19 @@ class Executor:
         if unknown and strict:
             raise KeyError(f"set_state_dict: no stage holds {unknown}")
         state = {n: v for n, v in state.items() if n not in unknown}
+        local = {st.index for st in self.local_stages(plan)}
         for name, value in state.items():
             for s in plan.stage_of_var(name):
+                if s not in local:
+                    continue
                 worker = self.worker(plan.stages[s].device)
                 worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
+
+
+def _init_worker_thread(threads: int) -> None:
+    """Paddle's static/dygraph mode is thread-local: a new thread must enter static mode itself."""
+    paddle.enable_static()
+    core.set_num_threads(threads)
 
 
 def _on_host(startup: framework.Program) -> framework.Program:

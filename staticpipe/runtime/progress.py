@@ -28,7 +28,8 @@ class Progress:
         self.step += 1
         self.samples += samples
         rate = samples / seconds if seconds > 0 else float("inf")
-        shown = {label: float(np.mean(v)) for label, v in zip(self.labels, values) if np.size(v) > 0}
+        shown = {label: float(np.mean(v)) for label, v in zip(self.labels, values)
+                 if v is not None and np.size(v) > 0}  # None: computed in another process
         if self._bar is not None:
             self._bar.set_postfix({**{k: f"{v:.4g}" for k, v in shown.items()}, "samples/s": f"{rate:.1f}"})
             self._bar.update(1)

@@ -132,8 +132,8 @@ class DeviceWorker:
         if scope is None:
             scope = scopes[key] = self._free.pop() if self._free else self.scope.new_scope()
         if a.kind is Kind.RECV:
-            for name, tensor in job.channel.recv((a.route, a.microbatch)).items():
-                scope.var(name).get_tensor()._share_data_with(tensor)
+            for name, value in job.channel.recv((a.route, a.microbatch), a.peer).items():
+                self._put(scope, name, value)
         elif a.kind is Kind.SEND:
             route = plan.routes[a.route]
             dst = generic_place(job.places[route.dst.stage])
@@ -142,7 +142,7 @@ class DeviceWorker:
                 tensor = _tensor(scope, var.name, a)
                 _check_cut(var, tensor, plan.micro_batch_size)
                 message[var.name] = tensor._copy(dst)
-            job.channel.send((a.route, a.microbatch), message)
+            job.channel.send((a.route, a.microbatch), message, a.peer)
         else:
             kind = SECTION_OF[a.kind]
             if a.kind is Kind.F:
@@ -159,28 +159,47 @@ class DeviceWorker:
     def _run_optimize(self, job: StepJob, stage: int) -> None:
         """Run the optimize section piece by piece, doing its send/recv/all-reduce ops on the channel."""
         plan = job.plan
-        key = (id(plan), stage, OPTIMIZE)
-        pieces = self._ctx.get(key)
-        if pieces is None:
-            pieces = self._ctx[key] = self._prepare_pieces(plan.stages[stage].sections[OPTIMIZE].program)
         group = tuple(range(plan.num_stages))
-        for piece in pieces:
+        for piece in self._optimize_pieces(plan, stage):
             if not isinstance(piece, framework.Operator):
                 self._exe.run_prepared_ctx(piece, self.scope, False, True, True)
                 self._sync()
             elif piece.type == "send_v2":
                 name, peer = piece.input("X")[0], piece.attr("peer")
                 dst = generic_place(job.places[peer])
-                job.channel.send(("opt", name, stage, peer), {name: _tensor(self.scope, name, piece.type)._copy(dst)})
+                job.channel.send(("opt", name, stage, peer), {name: _tensor(self.scope, name, piece.type)._copy(dst)},
+                                 peer)
             elif piece.type == "recv_v2":
                 name, peer = piece.output("Out")[0], piece.attr("peer")
-                message = job.channel.recv(("opt", name, peer, stage))
-                self.scope.var(name).get_tensor()._share_data_with(message[name])
+                message = job.channel.recv(("opt", name, peer, stage), peer)
+                self._put(self.scope, name, message[name])
             else:  # c_allreduce_sum over all stages
                 src, out = piece.input("X")[0], piece.output("Out")[0]
                 total = job.channel.allreduce(("opt", out), stage, np.array(_tensor(self.scope, src, piece.type)),
                                               group)
                 self.scope.var(out).get_tensor().set(total, self.place)
+
+    def _put(self, scope: core._Scope, name: str, value) -> None:
+        """Give ``scope`` a received value: a tensor already on this place is shared, an array copied in."""
+        if isinstance(value, np.ndarray):
+            scope.var(name).get_tensor().set(value, self.place)
+        else:
+            scope.var(name).get_tensor()._share_data_with(value)
+
+    def prepare(self, plan: Plan, stage: int, fetch: dict[tuple[int, str], tuple[str, ...]]) -> None:
+        """Build every program ``stage`` runs in this step, in the calling thread: Paddle's Python program
+        API must not run in a worker while a channel thread sits in a dygraph guard."""
+        for kind in (FORWARD, BACKWARD, WEIGHT):
+            if kind in plan.stages[stage].sections:
+                self._prepared(plan, stage, kind, fetch.get((stage, kind), ()))
+        if OPTIMIZE in plan.stages[stage].sections:
+            self._optimize_pieces(plan, stage)
+
+    def _optimize_pieces(self, plan: Plan, stage: int) -> list:
+        key = (id(plan), stage, OPTIMIZE)
+        if key not in self._ctx:
+            self._ctx[key] = self._prepare_pieces(plan.stages[stage].sections[OPTIMIZE].program)
+        return self._ctx[key]
 
     def _prepare_pieces(self, program: framework.Program) -> list:
         pieces = split_at_comm_ops(program)

@@ -1,0 +1,70 @@
+"""``python -m staticpipe.launch --nprocs N script.py [args]``: one pipeline rank per process on this machine.
+
+Each process runs the same script with the ``paddle.distributed`` environment of its rank (gloo on
+CPU, loopback ports chosen free); ``staticpipe.Executor`` sees it, joins the job and runs only its own
+stages. If a process fails, the others are stopped and the launcher exits with the failed rank's code,
+naming it. ``python -m paddle.distributed.launch`` works as well; this is the thin local variant.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launch(nprocs: int, argv: list[str], poll_s: float = 0.2) -> int:
+    ports = free_ports(nprocs + 1)
+    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports[1:])
+    procs = []
+    for rank in range(nprocs):
+        env = dict(os.environ, PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(nprocs),
+                   PADDLE_DISTRI_BACKEND="gloo", PADDLE_MASTER=f"127.0.0.1:{ports[0]}",
+                   PADDLE_TRAINER_ENDPOINTS=endpoints, PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank + 1]}")
+        procs.append(subprocess.Popen([sys.executable] + argv, env=env))
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            print(f"staticpipe.launch: rank {rank} exited with code {code}; stopping the other ranks",
+                  file=sys.stderr, flush=True)
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            return code if code > 0 else 1
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(poll_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nprocs", type=int, required=True, help="processes: one per pipeline device")
+    ap.add_argument("script")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    if args.nprocs < 1:
+        ap.error(f"--nprocs must be >= 1, got {args.nprocs}")
+    sys.exit(launch(args.nprocs, [args.script] + args.args))
+
+
+if __name__ == "__main__":
+    main()
