@@ -43,6 +43,9 @@ class Channel(ABC):
     def reset(self) -> None:
         """Forget pending messages and a past abort (between steps)."""
 
+    def flush(self) -> None:
+        """Return once every message sent so far has left this process (nothing to wait for in-process)."""
+
 
 class InProcessChannel(Channel):
     def __init__(self) -> None:

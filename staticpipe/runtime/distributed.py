@@ -65,6 +65,8 @@ class DistributedChannel(Channel):
                 except BaseException as exc:  # reported by the worker's next channel call
                     self._send_error = exc
                     return
+                finally:
+                    self._outboxes[peer].task_done()
 
     def send(self, key: Hashable, message: Message, dst_stage: int) -> None:
         self._check()
@@ -105,6 +107,11 @@ class DistributedChannel(Channel):
             tensor = paddle.to_tensor(value)
             self._dist.all_reduce(tensor)
             return tensor.numpy()
+
+    def flush(self) -> None:
+        for outbox in self._outboxes.values():
+            outbox.join()
+        self._check()
 
     def abort(self, reason: str) -> None:
         self._aborted = reason

@@ -219,6 +219,7 @@ class Executor:
             futures[self._threads[device].submit(self.worker(device).run_step, job)] = device
         try:
             results = self._wait(futures, channel)
+            channel.flush()  # a step's messages are all received within the step
         except BaseException:
             # micro-batches of the failed step may have reached the gradient buffers: empty them so the
             # next step starts clean
