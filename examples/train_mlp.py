@@ -60,9 +60,10 @@ def main() -> None:
                                      fetch_info=["loss", "accuracy"], print_period=5)
     elapsed = time.perf_counter() - start
     loader.reset()
+    loss = (f"; loss {float(history[0][0]):.4f} -> {float(history[-1][0]):.4f}"
+            if history[-1][0] is not None else "")  # under staticpipe.launch only the last stage's process has it
     print(f"{len(history)} steps of {args.batch} samples in {elapsed:.2f} s: "
-          f"{len(history) * args.batch / elapsed:.1f} samples/s on {args.stages} pipeline stages; "
-          f"loss {float(history[0][0]):.4f} -> {float(history[-1][0]):.4f}")
+          f"{len(history) * args.batch / elapsed:.1f} samples/s on {args.stages} pipeline stages{loss}")
     exe.close()
 
 
