@@ -9,7 +9,7 @@ import pytest
 from staticpipe.plan import BACKWARD, FORWARD, CutVar, Route, SectionRef
 from staticpipe.schedule import (Action, Kind, ScheduleError, format_schedule, get_kind, interleaved, lower,
                                  make_schedule, one_f_one_b, parse_action, parse_schedule, schedule_from_json,
-                                 schedule_to_json, simulate, validate)
+                                 schedule_to_json, validate)
 
 pytestmark = pytest.mark.timeout(120)
 

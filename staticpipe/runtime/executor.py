@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from .. import checkpoint
 from .._paddle import core, framework, np, paddle
