@@ -27,6 +27,16 @@ def trained(builder=build_mlp, steps=2, optimizer=lambda: paddle.optimizer.Adam(
     return net, exe
 
 
+def reference_with_state(ref, exe, net):
+    """A plain Paddle executor and scope holding the unguarded twin ``ref`` with ``net``'s trained state."""
+    pexe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    pexe.run(ref.startup, scope=scope)
+    for name, value in exe.state_dict(net.main).items():
+        if scope.find_var(name) is not None:
+            scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    return pexe, scope
+
+
 def test_checkpoint_round_trips_and_is_paddles_format(tmp_path):
     net, exe = trained(num_stages=3)
     path = str(tmp_path / "ck")
@@ -174,11 +184,7 @@ def test_pipelined_evaluation_equals_single_device(builder):
     # the reference: the unguarded twin's evaluation program on the same trained values, batch by batch
     ref = builder(guarded=False)
     ref_test = ref.main.clone(for_test=True)
-    pexe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
-    pexe.run(ref.startup, scope=scope)
-    for name, value in exe.state_dict(net.main).items():
-        if scope.find_var(name) is not None:
-            scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    pexe, scope = reference_with_state(ref, exe, net)
     sums = np.zeros(2)
     for batch in loader.epoch():
         sums += 8 * np.array([float(v) for v in pexe.run(ref_test, feed=batch, scope=scope,
@@ -194,11 +200,7 @@ def test_inference_export_runs_in_plain_paddle(tmp_path):
     staticpipe.export_inference(net.main, [net.feeds[0]], [net.outputs["logits"]], path, exe)
     ref = build_resnet(num_stages=2, guarded=False, width=8, image_size=16)
     ref_test = ref.main.clone(for_test=True)
-    pexe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
-    pexe.run(ref.startup, scope=scope)
-    for name, value in exe.state_dict(net.main).items():
-        if scope.find_var(name) is not None:
-            scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    pexe, scope = reference_with_state(ref, exe, net)
     batch = net.random_batch(4, seed=5)
     expected = pexe.run(ref_test, feed=batch, fetch_list=[ref.outputs["logits"].name], scope=scope)[0]
     with paddle.static.scope_guard(paddle.static.Scope()):

@@ -226,12 +226,15 @@ class DeviceWorker:
         held = self._held.pop((stage, microbatch), None)
         if held is not None:
             self.memory[stage].add(-held, -1)
-        fwd = plan.stages[stage].sections[FORWARD]
-        names = set(fwd.keep) | set(fwd.feeds)
-        for r in plan.routes:
-            if r.dst.stage == stage:
-                names.update(v.name for v in r.vars)
-        scope.erase(sorted(names))
+        key = (id(plan), stage, "leftovers")
+        if key not in self._ctx:  # computed once per plan and stage: this runs for every micro-batch
+            sections = plan.stages[stage].sections
+            names = set(sections[FORWARD].feeds)
+            for kind in (FORWARD, BACKWARD, WEIGHT):
+                names.update(sections[kind].keep if kind in sections else ())
+            names.update(v.name for r in plan.routes if r.dst.stage == stage for v in r.vars)
+            self._ctx[key] = sorted(names)
+        scope.erase(self._ctx[key])
         self._free.append(scope)
 
 
