@@ -4,6 +4,7 @@ The main job of the README: builds the network under device guards, rewrites it 
 pipeline with 8 micro-batches, trains from a generator data loader and prints throughput.
 
     python examples/train_mlp.py [--stages 2] [--microbatches 8] [--schedule 1F1B] [--steps 30]
+    python -m staticpipe.launch --nprocs 4 examples/train_mlp.py --dp-degree 2   # 2 replicas x 2 stages
 """
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--dp-degree", type=int, default=1, help="data-parallel replicas (needs a multi-process launch)")
     args = ap.parse_args()
 
     net = build_mlp(num_stages=args.stages, in_dim=args.width, hidden=args.width, depth=args.depth)
     with paddle.static.program_guard(net.main, net.startup):
         opt = staticpipe.PipelineOptimizer(paddle.optimizer.Momentum(args.lr, momentum=0.9),
-                                           num_microbatches=args.microbatches, schedule=args.schedule)
+                                           num_microbatches=args.microbatches, schedule=args.schedule,
+                                           dp_degree=args.dp_degree)
         opt.minimize(net.loss)
     print(opt.plan)
 
@@ -63,7 +66,8 @@ def main() -> None:
     loss = (f"; loss {float(history[0][0]):.4f} -> {float(history[-1][0]):.4f}"
             if history[-1][0] is not None else "")  # under staticpipe.launch only the last stage's process has it
     print(f"{len(history)} steps of {args.batch} samples in {elapsed:.2f} s: "
-          f"{len(history) * args.batch / elapsed:.1f} samples/s on {args.stages} pipeline stages{loss}")
+          f"{len(history) * args.batch / elapsed:.1f} samples/s on {args.stages} pipeline stages"
+          f"{f' x {args.dp_degree} replicas' if args.dp_degree > 1 else ''}{loss}")
     exe.close()
 
 

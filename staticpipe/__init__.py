@@ -8,10 +8,11 @@ from .placement import Device, device_guard, parse_device, split_point
 from .plan import Plan
 from .runtime import Executor, StageError, plan_of
 from .checkpoint import load, save
+from .saved_plan import load_plan, save_plan
 from .export import export_inference
 from .partition import auto_place, profile
 from .verify import VerifyReport, verify
 
 __all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError",
            "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference",
-           "auto_place", "profile"]
+           "auto_place", "profile", "save_plan", "load_plan"]

@@ -12,12 +12,13 @@ leaves either the old or the new checkpoint whole, and ``load`` recovers the mov
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ._paddle import framework, np
 
@@ -36,37 +37,34 @@ def _state_names(program: framework.Program) -> tuple[dict[str, tuple], dict[str
     return params, others
 
 
-def save(program: framework.Program, path: str, exe: "Executor", step: int | None = None) -> None:
+def save(program: framework.Program, path: str, exe: "Executor", step: int | None = None) -> bool:
     """Write every parameter and optimizer state of ``program`` (gathered from all stages) to ``path``,
-    with the global step (default: the executor's) and the learning-rate scheduler's state."""
+    with the global step (default: the executor's) and the learning-rate scheduler's state.
+
+    In a job of several processes every process calls it: the ranks of the first replica send their
+    stages' state to rank 0, which alone writes (``path`` must be where every rank can read it back).
+    Returns whether this process wrote."""
     step = exe.global_step if step is None else step
-    state = exe.state_dict(program)
+    state = exe.gathered_state_dict(program)
+    if state is None:
+        return False  # rank 0 writes
     params, others = _state_names(program)
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, names in ((PARAMS, params), (OPT, others)):
-        with open(os.path.join(tmp, name), "wb") as f:
-            pickle.dump({n: state[n] for n in names if n in state}, f, protocol=4)
-            f.flush()
-            os.fsync(f.fileno())
-    scheduler = getattr(program, "lr_scheduler", None)
-    meta = {"step": step, "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
-    with open(os.path.join(tmp, META), "w") as f:
-        json.dump(meta, f, default=_jsonable)
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_directory(path) as tmp:
+        for name, names in ((PARAMS, params), (OPT, others)):
+            with open(os.path.join(tmp, name), "wb") as f:
+                pickle.dump({n: state[n] for n in names if n in state}, f, protocol=4)
+        scheduler = getattr(program, "lr_scheduler", None)
+        meta = {"step": step, "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, default=_jsonable)
+    return True
 
 
 def load(program: framework.Program, path: str, exe: "Executor") -> dict[str, Any]:
     """Load a checkpoint written by ``save`` (or by ``paddle.static.save`` into a directory layout) into
     every stage of ``program``; returns its meta data (``step``). A checkpoint of another program is
     refused with the list of missing, unexpected and mis-shaped variables."""
-    if not os.path.exists(path) and os.path.exists(path + ".old"):
-        os.rename(path + ".old", path)  # a save died after moving the previous checkpoint aside
+    recover_directory(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     state: dict[str, np.ndarray] = {}
@@ -96,6 +94,34 @@ def load(program: framework.Program, path: str, exe: "Executor") -> dict[str, An
             scheduler.set_state_dict(meta["lr_scheduler"])
     exe.global_step = meta["step"]
     return meta
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str) -> Iterator[str]:
+    """Yield an empty ``<path>.tmp`` to write into; when the block ends, sync its files to disk and put
+    it in the place of ``path``: the previous directory is moved aside first and deleted last, so a
+    crash at any point leaves one of them whole (``recover_directory`` puts a moved-aside one back).
+    If the block raises, ``path`` is left untouched."""
+    tmp, old = path + ".tmp", path + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    yield tmp
+    for folder, _, files in os.walk(tmp):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_directory(path: str) -> None:
+    """Put back the previous directory if a save died after moving it aside (see ``atomic_directory``)."""
+    if not os.path.exists(path) and os.path.exists(path + ".old"):
+        os.rename(path + ".old", path)
 
 
 def _fits(got: tuple, want: tuple) -> bool:

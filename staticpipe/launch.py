@@ -3,7 +3,8 @@
 Each process runs the same script with the ``paddle.distributed`` environment of its rank (gloo on
 CPU, loopback ports chosen free); ``staticpipe.Executor`` sees it, joins the job and runs only its own
 stages. If a process fails, the others are stopped and the launcher exits with the failed rank's code,
-naming it. ``python -m paddle.distributed.launch`` works as well; this is the thin local variant.
+naming it (a rank stopped by its watchdog because of another one, exit code ``STOPPED_EXIT``, is not
+the one named). ``python -m paddle.distributed.launch`` works as well; this is the thin local variant.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+
+from .runtime.watchdog import STOPPED_EXIT
 
 
 def free_ports(count: int) -> list[int]:
@@ -25,20 +28,29 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def launch(nprocs: int, argv: list[str], poll_s: float = 0.2) -> int:
+def rank_environments(nprocs: int) -> list[dict[str, str]]:
+    """The ``paddle.distributed`` variables of each rank of a job on this machine (loopback ports)."""
     ports = free_ports(nprocs + 1)
     endpoints = ",".join(f"127.0.0.1:{p}" for p in ports[1:])
-    procs = []
-    for rank in range(nprocs):
-        env = dict(os.environ, PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(nprocs),
-                   PADDLE_DISTRI_BACKEND="gloo", PADDLE_MASTER=f"127.0.0.1:{ports[0]}",
-                   PADDLE_TRAINER_ENDPOINTS=endpoints, PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank + 1]}")
-        procs.append(subprocess.Popen([sys.executable] + argv, env=env))
+    return [dict(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(nprocs), PADDLE_DISTRI_BACKEND="gloo",
+                 PADDLE_MASTER=f"127.0.0.1:{ports[0]}", PADDLE_TRAINER_ENDPOINTS=endpoints,
+                 PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank + 1]}") for rank in range(nprocs)]
+
+
+def launch(nprocs: int, argv: list[str], poll_s: float = 0.2, wait_origin_s: float = 5.0) -> int:
+    procs = [subprocess.Popen([sys.executable] + argv, env=dict(os.environ, **env))
+             for env in rank_environments(nprocs)]
+    first_failure = None
     while True:
         codes = [p.poll() for p in procs]
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
+        # a rank that exits with STOPPED_EXIT was stopped by its watchdog because another one failed:
+        # name the one that failed, when it exits within wait_origin_s
+        origins = [(rank, code) for rank, code in failed if code != STOPPED_EXIT]
+        if failed and first_failure is None:
+            first_failure = time.monotonic()
+        if origins or (failed and (None not in codes or time.monotonic() - first_failure > wait_origin_s)):
+            rank, code = (origins or failed)[0]
             print(f"staticpipe.launch: rank {rank} exited with code {code}; stopping the other ranks",
                   file=sys.stderr, flush=True)
             for p in procs:

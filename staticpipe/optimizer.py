@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from ._paddle import framework, paddle
-from .plan import PLAN_ATTR, Plan
-from .rewrite import build_plan, check_micro_batch_size, custom_schedule
+from .plan import Plan, attach_plan
+from .rewrite import build_plan, check_micro_batch_size, check_schedule_costs, custom_schedule
 from .schedule import canonical_name, check_microbatches
+from .schedule.simulate import StageCosts
 
 
 class PipelineOptimizer:
@@ -21,22 +22,35 @@ class PipelineOptimizer:
     ``schedule``: "1F1B", "F-then-B" (aliases "FThenB", "GPipe"), "interleaved" (several chunks per
     device: guards cycling through the devices), "ZB-H1", "ZB-V" (zero bubble, backward split into B
     and W), or a custom schedule: ``{rank: [Action, ...]}`` or its text (``rank 0: 0F0 0F1 ...``).
+    ``schedule_costs``: for "ZB-H1" and "ZB-V", the F, B and W durations to plan the order with, one
+    per kind or a list of one per stage (``{"F": [0.031, 0.035], ...}``: ``Timeline.stage_costs()`` of a
+    traced step), or a function of the action; None plans with unit costs.
     ``micro_batch_size``: fixes the batch dimension of cut variables at rewrite time; otherwise it is
     fixed by the first batch.
     ``recompute``: True (every stage) or a list of stage indices that keep only their inputs between
     forward and backward and recompute the rest (activation checkpointing).
+    ``dp_degree``: data-parallel replicas of the whole pipeline, for a job of ``dp_degree`` x devices
+    processes (``python -m staticpipe.launch``): replica k is processes k x devices ... (k+1) x devices - 1,
+    trains on the k-th slice of every global batch, and the replicas average their accumulated gradients
+    before each update, so training equals one pipeline (and one device) on the global batch.
     """
 
     def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str | dict = "1F1B",
-                 micro_batch_size: int | None = None, recompute: bool | list[int] = False):
+                 micro_batch_size: int | None = None, recompute: bool | list[int] = False,
+                 dp_degree: int = 1, schedule_costs: StageCosts | None = None):
         if not hasattr(optimizer, "minimize"):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, got {type(optimizer).__name__}")
         self.inner = optimizer
         self.num_microbatches = check_microbatches(num_microbatches)
         self.schedule = schedule if custom_schedule(schedule) is not None else canonical_name(schedule)
+        check_schedule_costs(self.schedule, schedule_costs)
+        self.schedule_costs = schedule_costs
         check_micro_batch_size(micro_batch_size)
         self.micro_batch_size = micro_batch_size
         self.recompute = recompute
+        if not isinstance(dp_degree, int) or isinstance(dp_degree, bool) or dp_degree < 1:
+            raise ValueError(f"dp_degree must be an integer >= 1, got {dp_degree!r}")
+        self.dp_degree = dp_degree
         self.plan: Plan | None = None
 
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
@@ -46,8 +60,7 @@ class PipelineOptimizer:
         result = self.inner.minimize(loss, startup_program=startup, parameters=parameters,
                                      no_grad_set=no_grad_set)
         self.plan = build_plan(program, loss.name, self.num_microbatches, self.schedule, self.micro_batch_size,
-                               self.recompute)
-        setattr(program, PLAN_ATTR, self.plan)
-        setattr(startup, PLAN_ATTR, self.plan)
-        startup._staticpipe_is_startup = True
+                               self.recompute, schedule_costs=self.schedule_costs)
+        self.plan.dp_degree = self.dp_degree
+        attach_plan(self.plan, program, startup)
         return result

@@ -85,7 +85,7 @@ class Section:
 
     stage: int
     kind: str
-    program: "paddle.static.Program"
+    program: "paddle.static.Program | None"  # None: not loaded in this process (load_plan(stages=...))
     feeds: tuple[str, ...] = ()  # data variables fed from the loader into this section
     keep: tuple[str, ...] = ()  # values this section must keep for later sections of the same micro-batch
     recv_routes: tuple[int, ...] = ()
@@ -116,6 +116,12 @@ class Stage:
     recompute: bool = False  # forward activations are recomputed in the backward section
     rank: int = 0  # the worker (device) that runs this stage
 
+    @property
+    def loaded(self) -> bool:
+        """False when this process loaded the plan without this stage's section programs
+        (``staticpipe.load_plan`` on another rank): another process runs it."""
+        return all(sec.program is not None for sec in self.sections.values())
+
 
 @dataclass
 class Plan:
@@ -133,6 +139,7 @@ class Plan:
     replicated: dict[int, str] = field(default_factory=dict)  # user op index -> why every stage runs it
     micro_batch_size: int | None = None
     notes: list[str] = field(default_factory=list)
+    dp_degree: int = 1  # data-parallel replicas of the whole pipeline (one process per stage rank each)
 
     @property
     def num_stages(self) -> int:
@@ -159,10 +166,11 @@ class Plan:
     def __str__(self) -> str:
         mbs = self.micro_batch_size
         lines = [f"Plan: {self.num_stages} stages, {self.num_microbatches} micro-batches"
-                 f"{f' of {mbs}' if mbs else ''}, schedule {self.schedule}, loss {self.loss}"]
+                 f"{f' of {mbs}' if mbs else ''}, schedule {self.schedule}, loss {self.loss}"
+                 f"{f', {self.dp_degree} data-parallel replicas' if self.dp_degree > 1 else ''}"]
         for st in self.stages:
             counts = ", ".join(f"{k} {sec.num_compute_ops} ops" for k, sec in st.sections.items()
-                               if k != INIT)
+                               if k != INIT) if st.loaded else "sections not loaded in this process"
             lines.append(f"  stage {st.index} on {st.device}: {counts}{' (recompute)' if st.recompute else ''}")
             lines.append(f"    parameters: {', '.join(st.parameters) or '-'}")
             data = [n for n, stages in self.data_vars.items() if st.index in stages]
@@ -193,3 +201,11 @@ PLAN_ATTR = "_staticpipe_plan"  # the attribute PipelineOptimizer.minimize sets 
 def plan_of(program: "paddle.static.Program") -> Plan | None:
     """The pipeline plan attached to ``program``, or None for a program that was not rewritten."""
     return getattr(program, PLAN_ATTR, None)
+
+
+def attach_plan(plan: Plan, main: "paddle.static.Program", startup: "paddle.static.Program") -> None:
+    """Attach ``plan`` to its main and startup programs; the mark on the startup program is how
+    ``Executor.run`` knows to initialise the stages rather than train."""
+    setattr(main, PLAN_ATTR, plan)
+    setattr(startup, PLAN_ATTR, plan)
+    startup._staticpipe_is_startup = True

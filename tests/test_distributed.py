@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,12 @@ import time
 
 import numpy as np
 import pytest
+from models import build_mlp
+from pipeline_util import minimize
+
+import staticpipe
+from staticpipe._paddle import paddle
+from staticpipe.runtime.executor import stages_of_process
 
 pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,15 +37,20 @@ SCRIPT = textwrap.dedent("""
     net = build_gpt(num_stages=stages) if model == "gpt" else build_mlp(num_stages=stages)
     clip = paddle.nn.ClipGradByGlobalNorm(0.5)
     minimize(net, paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=clip),
-             dict(num_microbatches=4, schedule=os.environ["SCHED"]))
+             dict(num_microbatches=4, schedule=os.environ["SCHED"], dp_degree=int(os.environ.get("DP", "1"))))
     exe = staticpipe.Executor()
     exe.run(net.startup)
     rank = os.environ.get("PADDLE_TRAINER_ID", "single")
+    losses = []
     for step in range(3):
         if rank == os.environ.get("KILL_RANK") and step == 1:
             os.kill(os.getpid(), 9)
-        exe.run(net.main, feed=net.random_batch(8, seed=step))
+        loss, = exe.run(net.main, feed=net.random_batch(8, seed=step), fetch_list=[net.loss])
+        losses.append(np.nan if loss is None else float(loss))
     np.savez(os.path.join(os.environ["OUT"], f"state_{{rank}}.npz"), **exe.state_dict(net.main))
+    np.save(os.path.join(os.environ["OUT"], f"loss_{{rank}}.npy"), np.array(losses))
+    if os.environ.get("CKPT"):
+        staticpipe.save(net.main, os.path.join(os.environ["OUT"], "ckpt"), exe)
 """)
 
 
@@ -79,3 +91,48 @@ def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
     assert result.returncode != 0
     assert "staticpipe.launch: rank 1 exited with code -9; stopping the other ranks" in result.stderr
     assert time.monotonic() - start < 60
+
+
+def test_data_times_pipeline_parallel_equals_one_pipeline_on_the_global_batch(tmp_path):
+    """dp=2 x pp=2 on 4 processes: each replica trains on half of every global batch and the replicas
+    average their accumulated gradients before the update (global-norm clipping after the average).
+    Both replicas end bit-identical, and equal to one pipeline on the whole batch up to float32
+    summation order; the fetched loss is the global batch's."""
+    env = dict(MODEL="mlp", STAGES="2", SCHED="1F1B")
+    single = run(tmp_path, 1, **env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = run(tmp_path, 4, DP="2", CKPT="1", **env)
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    reference = states(tmp_path, "state_single.npz")
+    replicas = [states(tmp_path, f"state_[{2 * k}{2 * k + 1}].npz") for k in (0, 1)]
+    for replica in replicas:
+        assert sorted(replica) == sorted(reference)
+        for name, value in reference.items():
+            np.testing.assert_array_equal(replica[name], replicas[0][name], err_msg=name)
+            np.testing.assert_allclose(replica[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    losses = [np.load(tmp_path / f"loss_{rank}.npy") for rank in (1, 3)]  # the last stage computes it
+    np.testing.assert_array_equal(losses[0], losses[1])
+    np.testing.assert_allclose(losses[0], np.load(tmp_path / "loss_single.npy"), rtol=1e-6)
+    assert np.isnan(np.load(tmp_path / "loss_0.npy")).all()
+    saved = {}  # rank 0 wrote the checkpoint with both pipeline ranks' state
+    for part in ("model.pdparams", "model.pdopt"):
+        with open(tmp_path / "ckpt" / part, "rb") as f:
+            saved.update(pickle.load(f))
+    assert sorted(saved) == sorted(reference)
+    for name, value in replicas[0].items():
+        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+
+
+def test_data_parallel_plans_need_one_process_per_device_and_replica():
+    net = build_mlp(num_stages=2)
+    minimize(net, paddle.optimizer.SGD(0.1), dict(num_microbatches=2, dp_degree=2))
+    with pytest.raises(ValueError) as err:
+        staticpipe.Executor().run(net.startup)
+    assert str(err.value) == ("dp_degree=2 runs one process per device and replica: launch 4 processes "
+                              "(python -m staticpipe.launch --nprocs 4 script.py)")
+    with pytest.raises(ValueError) as err:
+        stages_of_process(staticpipe.plan_of(net.main), (0, 2))
+    assert str(err.value) == ("the job has 2 processes but the plan has 2 devices ['gpu:0', 'gpu:1'] x dp_degree 2; "
+                              "launch 4 processes (one per device x dp_degree 2)")
+    with pytest.raises(ValueError, match=r"^dp_degree must be an integer >= 1, got 0$"):
+        staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), dp_degree=0)

@@ -11,6 +11,8 @@ from .._paddle import framework
 from ..plan import Plan
 from ..schedule.actions import F
 from ..schedule import Kind, Schedule, check_microbatches, get_kind, lower, make_schedule, parse_schedule, validate
+from ..schedule.registry import check_costs
+from ..schedule.simulate import StageCosts
 from .programs import clear_device_tags, np_dtype, split_at_comm_ops, without_comm_ops
 from .sections import MERGED_SUFFIX, build_sections
 from .stages import assign_stages
@@ -23,15 +25,17 @@ def check_micro_batch_size(micro_batch_size: object) -> None:
 
 def build_plan(program: framework.Program, loss_name: str, num_microbatches: int = 1,
                schedule: str | Schedule = "1F1B", micro_batch_size: int | None = None,
-               recompute: bool | Iterable[int] = False) -> Plan:
+               recompute: bool | Iterable[int] = False, schedule_costs: StageCosts | None = None) -> Plan:
     """Split ``program`` (forward, backward and optimizer ops, tagged by ``device_guard``) into a Plan.
 
     ``schedule``: a schedule name, or a custom schedule (``{rank: [Action, ...]}`` or its text form,
     compute actions only), validated before it is accepted.
     ``recompute``: True for every stage, or the stage indices whose activations are recomputed.
+    ``schedule_costs``: F/B/W durations (one per kind, or a list per stage) a zero-bubble schedule plans with.
     """
     check_microbatches(num_microbatches)
     check_micro_batch_size(micro_batch_size)
+    check_schedule_costs(schedule, schedule_costs)
     custom = custom_schedule(schedule)
     kind = None if custom is not None else get_kind(schedule)
     if custom is not None:
@@ -59,8 +63,9 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
         program, assignment, num_microbatches, micro_batch_size, recompute_stages, split)
     for stage, rank in zip(stages, stage_ranks):
         stage.rank = rank
-    compute = custom if custom is not None else make_schedule(kind.name, len(ranks), num_microbatches,
-                                                              num_stages // len(ranks))
+    compute = custom if custom is not None else make_schedule(
+        kind.name, len(ranks), num_microbatches, num_stages // len(ranks),
+        check_schedule_costs(schedule, schedule_costs, num_stages))
     actions = lower(compute, routes)
     validate(actions, num_stages, num_microbatches, stage_ranks, split_backward=split,
              collectives=bool(assignment.shared) or any("all-reduce" in why for why in replicated.values()))
@@ -106,6 +111,18 @@ def custom_schedule(schedule: str | Schedule) -> Schedule | None:
     return None
 
 
+def check_schedule_costs(schedule: str | Schedule, schedule_costs: StageCosts | None,
+                         num_stages: int | None = None) -> StageCosts | None:
+    """``schedule_costs`` as the duration function ``schedule`` plans with (None: unit costs);
+    ``ValueError`` naming the argument and the kind or value at fault."""
+    if schedule_costs is not None and custom_schedule(schedule) is not None:
+        raise ValueError("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V); a custom schedule "
+                         "gives its own order")
+    if schedule_costs is None:
+        return None
+    return check_costs(get_kind(schedule), schedule_costs, num_stages, "schedule_costs")
+
+
 def _recompute_stages(recompute: bool | Iterable[int], num_stages: int) -> frozenset[int]:
     if recompute is True or recompute is False:
         return frozenset(range(num_stages)) if recompute else frozenset()
@@ -129,4 +146,6 @@ def _data_specs(program: framework.Program, data_vars: dict, num_microbatches: i
     return specs
 
 
-__all__ = ["FORWARD_ONLY", "build_plan", "build_forward_plan", "custom_schedule", "check_micro_batch_size", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops", "clear_device_tags", "MERGED_SUFFIX"]
+__all__ = ["FORWARD_ONLY", "build_plan", "build_forward_plan", "custom_schedule", "check_micro_batch_size",
+           "check_schedule_costs", "assign_stages", "build_sections", "without_comm_ops", "split_at_comm_ops",
+           "clear_device_tags", "MERGED_SUFFIX"]

@@ -1,6 +1,7 @@
 """Channels: how a route's tensors travel from one stage worker to another.
 
-The runtime only calls ``send``, ``recv``, ``allreduce``, ``abort`` and ``reset``. Keys name messages:
+The runtime only calls ``send``, ``recv``, ``allreduce``, ``replica_mean``, ``abort``, ``reset`` and
+``flush``. Keys name messages:
 ``(route, micro-batch)`` for the cut variables of a schedule, ``("opt", var, src, dst)`` for the
 once-per-step exchanges of the optimize sections. The in-process implementation below keeps a mailbox
 keyed that way, so a message can never be matched to the wrong receiver. A transport on
@@ -45,6 +46,13 @@ class Channel(ABC):
 
     def flush(self) -> None:
         """Return once every message sent so far has left this process (nothing to wait for in-process)."""
+
+    replicas = 1  # data-parallel copies of the pipeline this channel's job runs
+
+    def replica_mean(self, value: np.ndarray) -> np.ndarray:
+        """The mean of ``value`` over the data-parallel replicas of this rank's stages, the same bits on
+        each; a single pipeline is its own mean."""
+        return value
 
 
 class InProcessChannel(Channel):

@@ -13,9 +13,19 @@ names, dtypes, shapes) and the tensors; a receiver files whatever arrives from t
 until the one it wants is there. Static ``send_v2``/``recv_v2`` have no CPU kernel, so transfers use the
 dygraph API inside a ``dygraph.guard`` (thread-local in Paddle; measured to work from a static-mode
 process and to leave static mode intact).
+
+Why each group gets a store of its own: Paddle 2.6's gloo process group rendezvouses once without a
+key prefix in the job's shared TCPStore, so a new group can read a peer's address left there by an
+earlier group (measured with 4 processes: "Connection refused", "address.cc ... 136 vs 408", receive
+timeouts in about half the runs; 0 failures in repeated runs with a store per group).
+
+Data x pipeline parallelism: with ``dp`` replicas of a ``p``-rank pipeline, process ``k * p + r`` runs
+pipeline rank ``r`` of replica ``k``. Messages stay inside a replica; the cross-stage reductions run on
+the replica's pipeline group, the gradient averages on the group of the ranks that hold the same stages.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
@@ -23,36 +33,48 @@ from typing import Hashable
 
 import numpy as np
 
-from .._paddle import paddle
+from .._paddle import core, paddle
 from .channel import Channel, Message, PipelineAborted
+
+STORE_TIMEOUT_S = 900  # how long a group's rendezvous waits for its members
+_GROUPS_MADE = itertools.count()  # same sequence on every rank: groups are made in the same order
 
 
 class DistributedChannel(Channel):
-    """Point-to-point and all-reduce between pipeline ranks of one ``paddle.distributed`` job.
+    """Point-to-point and all-reduce between the ranks of one ``paddle.distributed`` job.
 
-    ``stage_ranks[s]`` is the process that runs stage ``s``.
+    ``stage_ranks[s]`` is the pipeline rank that runs stage ``s``; the job holds ``world / pipeline_size``
+    replicas of the pipeline. ``device_place`` is this process's device: tensors travel from there with
+    NCCL (a GPU job), or from host memory with gloo.
     """
 
-    def __init__(self, stage_ranks: list[int]):
+    def __init__(self, stage_ranks: list[int], pipeline_size: int, device_place=None):
         import paddle.distributed as dist
         self._dist = dist
+        self._place = device_place if dist.get_backend() == "NCCL" else paddle.CPUPlace()
         self.rank, size = dist.get_rank(), dist.get_world_size()
-        self.stage_ranks = stage_ranks
+        self.replicas = size // pipeline_size
+        replica, pipeline_rank = divmod(self.rank, pipeline_size)
+        self.stage_ranks = [replica * pipeline_size + r for r in stage_ranks]  # stage -> process
         self._box: dict[tuple[int, str], Message] = {}
         self._aborted: str | None = None
         self._send_error: BaseException | None = None
+        replicas = [list(range(k * pipeline_size, (k + 1) * pipeline_size)) for k in range(self.replicas)]
         with self._eager():  # every rank creates every group, in the same order
-            self._groups = {(a, b): dist.new_group(sorted((a, b)))
-                            for a in range(size) for b in range(size) if a != b}
+            self._groups = {(a, b): _new_group([a, b]) for ranks in replicas for a in ranks for b in ranks if a != b}
+            pipelines = [_new_group(ranks) for ranks in replicas]
+            holders = [_new_group(list(range(r, size, pipeline_size))) for r in range(pipeline_size)]
+        self._pipeline, self._holders = pipelines[replica], holders[pipeline_rank]
         self._outboxes: dict[int, queue.Queue] = {}
-        for peer in range(size):
+        for peer in replicas[replica]:
             if peer != self.rank:
                 self._outboxes[peer] = queue.Queue()
                 threading.Thread(target=self._sender, args=(peer,), daemon=True,
                                  name=f"staticpipe-send-{self.rank}>{peer}").start()
 
     def _eager(self):
-        return paddle.base.dygraph.guard(paddle.CPUPlace())
+        """Dygraph mode on the transfer place: new tensors (receive buffers) are created there."""
+        return paddle.base.dygraph.guard(self._place)
 
     def _sender(self, peer: int) -> None:
         group = self._groups[(self.rank, peer)]
@@ -61,7 +83,7 @@ class DistributedChannel(Channel):
                 arrays = self._outboxes[peer].get()
                 try:
                     for array in arrays:
-                        self._dist.send(paddle.to_tensor(array), dst=peer, group=group)
+                        self._dist.send(paddle.to_tensor(array, place=self._place), dst=peer, group=group)
                 except BaseException as exc:  # reported by the worker's next channel call
                     self._send_error = exc
                     return
@@ -102,10 +124,19 @@ class DistributedChannel(Channel):
         return meta["key"], message
 
     def allreduce(self, key: Hashable, member: int, value: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
+        return self._sum(value, self._pipeline)
+
+    def replica_mean(self, value: np.ndarray) -> np.ndarray:
+        if self.replicas == 1:
+            return value
+        return self._sum(value, self._holders) / np.asarray(self.replicas, dtype=value.dtype)
+
+    def _sum(self, value: np.ndarray, group) -> np.ndarray:
+        """gloo's ring all-reduce: every member ends with the same bits."""
         self._check()
         with self._eager():
-            tensor = paddle.to_tensor(value)
-            self._dist.all_reduce(tensor)
+            tensor = paddle.to_tensor(value, place=self._place)
+            self._dist.all_reduce(tensor, group=group)
             return tensor.numpy()
 
     def flush(self) -> None:
@@ -139,3 +170,38 @@ def init_distributed() -> None:
     import paddle.distributed as dist
     with paddle.base.dygraph.guard(paddle.CPUPlace()):
         dist.init_parallel_env()
+
+
+def _new_group(ranks: list[int]):
+    """``paddle.distributed.new_group(ranks)`` rendezvousing in a TCPStore of its own (see the module
+    docstring): the group's first rank serves it on a free port, which it publishes in the job's store."""
+    import socket
+
+    import paddle.distributed as dist
+    from paddle.distributed import collective
+
+    job_store = collective._default_store
+    key, first, rank = f"staticpipe/group-store/{next(_GROUPS_MADE)}", ranks[0], dist.get_rank()
+    store = job_store
+    if rank == first:
+        host = _host_of(rank)
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        job_store.set(key, f"{host}:{port}".encode())
+        store = core.TCPStore(host, port, True, len(ranks), STORE_TIMEOUT_S)
+    elif rank in ranks:
+        host, port = bytes(job_store.get(key)).decode().rsplit(":", 1)
+        store = core.TCPStore(host, int(port), False, len(ranks), STORE_TIMEOUT_S)
+    collective._set_default_store(store)
+    try:
+        return dist.new_group(ranks)
+    finally:
+        collective._set_default_store(job_store)
+
+
+def _host_of(rank: int) -> str:
+    """This rank's address as the launcher gave it (``PADDLE_TRAINER_ENDPOINTS``), else loopback."""
+    import os
+    endpoints = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")
+    return endpoints[rank].rsplit(":", 1)[0] if len(endpoints) > rank and endpoints[rank] else "127.0.0.1"

@@ -21,6 +21,7 @@ from ..plan import FORWARD, PLAN_ATTR, Plan, plan_of
 from ..rewrite import FORWARD_ONLY, build_forward_plan, clear_device_tags
 from .channel import Channel, InProcessChannel, PipelineAborted
 from .distributed import DistributedChannel, init_distributed, launched_world
+from . import watchdog
 from .places import place_of
 from .progress import Progress
 from ..trace import Timeline
@@ -53,8 +54,10 @@ class Executor:
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
         self._channel: Channel = InProcessChannel()
         self._world = launched_world()  # (rank, size) when started by a multi-process launcher
+        self._watchdog: watchdog.Watchdog | None = None  # stops this process when another rank fails
         if self._world is not None:
             init_distributed()
+            self._watchdog = watchdog.start(*self._world)
         self._channels: dict[int, Channel] = {}
         self.trace = trace
         self.global_step = 0  # training steps run (restored by staticpipe.load)
@@ -74,13 +77,12 @@ class Executor:
 
     def local_stages(self, plan: Plan) -> list:
         """The stages this process runs: all of them, or its rank's when launched as several processes."""
-        if self._world is None:
-            return list(plan.stages)
-        rank, size = self._world
-        if size != len(plan.ranks):
-            raise ValueError(f"the job has {size} processes but the plan has {len(plan.ranks)} devices "
-                             f"{plan.ranks}; launch one process per device")
-        return [s for s in plan.stages if s.rank == rank]
+        stages = stages_of_process(plan, self._world)
+        unloaded = [s.index for s in stages if not s.loaded]
+        if unloaded:
+            raise ValueError(f"this process runs stages {[s.index for s in stages]}, but the section programs of "
+                             f"stages {unloaded} were not loaded (staticpipe.load_plan(..., stages=...))")
+        return stages
 
     def _channel_for(self, plan: Plan) -> Channel:
         if self._world is None:
@@ -90,7 +92,9 @@ class Executor:
             if len(plan.stages) != len(plan.ranks) and (plan.shared or plan.replicated):
                 raise ValueError("several stages per process with cross-stage reductions or shared parameters "
                                  "are not supported across processes yet")
-            channel = self._channels[id(plan)] = DistributedChannel([s.rank for s in plan.stages])
+            pipeline = len(plan.ranks)
+            channel = self._channels[id(plan)] = DistributedChannel(
+                [s.rank for s in plan.stages], pipeline, place_of(plan.ranks[self._world[0] % pipeline]))
         return channel
 
     def scope_of(self, device: str) -> core._Scope:
@@ -170,6 +174,8 @@ class Executor:
             raise ValueError(f"feed does not match the program's data variables: missing {missing}, "
                              f"unknown {extra}; expected {sorted(plan.data_vars)}")
         batch = {n: FeedSpec(n, *_spec(plan, n)).convert(v) for n, v in batch.items()}
+        if plan.dp_degree > 1:
+            batch = self._replica_slice(plan, batch)
         micro = split_microbatches(batch, plan.num_microbatches)
         plan.bind_micro_batch_size(len(next(iter(micro[0].values()))))
         feeds = {s: [{n: mb[n] for n in st.sections[FORWARD].feeds} for mb in micro]
@@ -187,8 +193,22 @@ class Executor:
             elif name in persist:
                 out.append(np.array(self.scope_of(plan.stages[persist[name]].device).find_var(name).get_tensor()))
             else:
-                out.append(_combine(plan, name, fetched[name]))
+                out.append(self._replica_value(plan, name, _combine(plan, name, fetched[name])))
         return out
+
+    def _replica_slice(self, plan: Plan, batch: dict) -> dict:
+        """Data parallelism: replica k trains on the k-th of ``dp_degree`` equal slices of the global batch."""
+        size = len(next(iter(batch.values())))
+        if size % plan.dp_degree:
+            raise ValueError(f"global batch size {size} is not divisible by dp_degree={plan.dp_degree}")
+        return split_microbatches(batch, plan.dp_degree)[self._world[0] // len(plan.ranks)]
+
+    def _replica_value(self, plan: Plan, name: str, value: np.ndarray) -> np.ndarray:
+        """A fetched mean (loss, metric) over the whole global batch: the mean of the replicas' means
+        (equal slices). Batched values stay this replica's rows."""
+        if plan.dp_degree == 1 or _batched(plan, name):
+            return value
+        return self._channel_for(plan).replica_mean(np.ascontiguousarray(value))
 
     def _locate_fetches(self, plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
         where: dict[tuple[int, str], tuple[str, ...]] = {}
@@ -205,8 +225,10 @@ class Executor:
         return where, persist
 
     def _run_actions(self, plan: Plan, feeds: dict, fetch: dict) -> dict[str, list[np.ndarray]]:
-        places = {s.index: place_of(s.device) for s in plan.stages}
         local = self.local_stages(plan)
+        # a message to a stage of another process leaves from host memory (see DistributedChannel)
+        mine = {s.index for s in local}
+        places = {s.index: place_of(s.device) if s.index in mine else core.CPUPlace() for s in plan.stages}
         channel = self._channel_for(plan)
         channel.reset()
         record = self._recorder()
@@ -220,7 +242,9 @@ class Executor:
         try:
             results = self._wait(futures, channel)
             channel.flush()  # a step's messages are all received within the step
-        except BaseException:
+        except BaseException as exc:
+            if self._watchdog is not None:  # the other processes stop instead of waiting for this one
+                self._watchdog.step_failed(exc, ", ".join(sorted({s.device for s in local})))
             # micro-batches of the failed step may have reached the gradient buffers: empty them so the
             # next step starts clean
             for stage in local:
@@ -350,6 +374,7 @@ class Executor:
             trained = plan_of(like) if like is not None else None
             chunked = trained is not None and len(trained.stages) > len(trained.ranks)
             plan = build_forward_plan(program, num_microbatches, chunked)
+            plan.dp_degree = trained.dp_degree if trained is not None else 1
             setattr(program, PLAN_ATTR, plan)
         names = _names(fetch_list)
         totals, samples = None, 0
@@ -363,7 +388,9 @@ class Executor:
         return [t / samples for t in totals]
 
     def _checkpoint(self, program: framework.Program, directory: str, keep_last: int) -> None:
-        checkpoint.save(program, os.path.join(directory, f"step-{self.global_step:08d}"), self, self.global_step)
+        if not checkpoint.save(program, os.path.join(directory, f"step-{self.global_step:08d}"), self,
+                               self.global_step):
+            return
         saved = sorted(d for d in os.listdir(directory) if d.startswith("step-") and "." not in d)
         for old in saved[:-keep_last]:
             shutil.rmtree(os.path.join(directory, old))
@@ -398,6 +425,25 @@ class Executor:
                     state.setdefault(name, np.array(var.get_tensor()))
         return state
 
+    def gathered_state_dict(self, program: framework.Program) -> dict[str, np.ndarray] | None:
+        """``state_dict`` of every stage, in the process that writes checkpoints: rank 0 of a job of
+        several processes receives the other pipeline ranks' state (the other replicas hold the same
+        bits) and the others return None; in one process, simply ``state_dict``."""
+        state = self.state_dict(program)
+        plan = plan_of(program)
+        if self._world is None or plan is None:
+            return state
+        rank, pipeline = self._world[0], len(plan.ranks)
+        channel, key = self._channel_for(plan), ("state", self.global_step)
+        if rank == 0:
+            for peer in range(1, pipeline):
+                state.update(channel.recv(key, next(s.index for s in plan.stages if s.rank == peer)))
+            return state
+        if rank < pipeline:
+            channel.send(key, state, 0)
+            channel.flush()
+        return None
+
     def set_state_dict(self, program: framework.Program, state: dict[str, Any], strict: bool = True) -> None:
         """Write ``state`` (name -> array) into every stage that holds each name. Names no stage holds
         are an error, or skipped with ``strict=False`` (a single-device checkpoint may hold more)."""
@@ -417,6 +463,24 @@ class Executor:
                     continue
                 worker = self.worker(plan.stages[s].device)
                 worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
+
+
+def stages_of_process(plan: Plan, world: tuple[int, int] | None) -> list:
+    """The stages the process ``world`` = (rank, size) of a launched job runs; every stage for None (one
+    process). ``staticpipe.load_plan`` uses it to read only those stages' programs."""
+    pipeline = len(plan.ranks)
+    if world is None:
+        if plan.dp_degree > 1:
+            raise ValueError(f"dp_degree={plan.dp_degree} runs one process per device and replica: launch "
+                             f"{plan.dp_degree * pipeline} processes (python -m staticpipe.launch --nprocs "
+                             f"{plan.dp_degree * pipeline} script.py)")
+        return list(plan.stages)
+    rank, size = world
+    if size != plan.dp_degree * pipeline:
+        replicas = f" x dp_degree {plan.dp_degree}" if plan.dp_degree > 1 else ""
+        raise ValueError(f"the job has {size} processes but the plan has {pipeline} devices {plan.ranks}"
+                         f"{replicas}; launch {plan.dp_degree * pipeline} processes (one per device{replicas})")
+    return [s for s in plan.stages if s.rank == rank % pipeline]
 
 
 def _init_worker_thread(threads: int) -> None:
@@ -442,11 +506,16 @@ def _combine(plan: Plan, name: str, values: list[np.ndarray]) -> np.ndarray:
     """Per-micro-batch values of one step as one value: batched values (dim 0 is -1 in the program) are
     concatenated; others (mean losses, metrics) are averaged, which equals the full-batch value of a
     mean over the batch."""
-    ref = plan.producers[name]
-    shape = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name).shape
-    if len(shape) > 0 and shape[0] == -1:
+    if _batched(plan, name):
         return np.concatenate(values, axis=0)
     return np.mean(np.stack(values), axis=0).astype(values[0].dtype)
+
+
+def _batched(plan: Plan, name: str) -> bool:
+    """Whether per-micro-batch value ``name`` has the batch as its first dimension (-1 in the program)."""
+    ref = plan.producers[name]
+    shape = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name).shape
+    return len(shape) > 0 and shape[0] == -1
 
 
 __all__ = ["Executor", "StageError", "plan_of"]

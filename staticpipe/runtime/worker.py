@@ -160,6 +160,8 @@ class DeviceWorker:
         """Run the optimize section piece by piece, doing its send/recv/all-reduce ops on the channel."""
         plan = job.plan
         group = tuple(range(plan.num_stages))
+        if job.channel.replicas > 1:
+            self._average_replicas(job.channel, plan.stages[stage].grad_buffers)
         for piece in self._optimize_pieces(plan, stage):
             if not isinstance(piece, framework.Operator):
                 self._exe.run_prepared_ctx(piece, self.scope, False, True, True)
@@ -178,6 +180,20 @@ class DeviceWorker:
                 total = job.channel.allreduce(("opt", out), stage, np.array(_tensor(self.scope, src, piece.type)),
                                               group)
                 self.scope.var(out).get_tensor().set(total, self.place)
+
+    def _average_replicas(self, channel: Channel, buffers: tuple[str, ...]) -> None:
+        """Data parallelism: replace each accumulated gradient by its mean over the replicas, so that every
+        replica applies the gradient of the whole global batch. One all-reduce per dtype, over the
+        buffers flattened together: a message per buffer would cost a round trip each."""
+        values = {n: np.array(_tensor(self.scope, n, "OPT")) for n in buffers}
+        for dtype in sorted({v.dtype.str for v in values.values()}):
+            names = [n for n, v in values.items() if v.dtype.str == dtype]
+            flat = channel.replica_mean(np.concatenate([values[n].ravel() for n in names]))
+            offset = 0
+            for n in names:
+                size = values[n].size
+                self.scope.var(n).get_tensor().set(flat[offset:offset + size].reshape(values[n].shape), self.place)
+                offset += size
 
     def _put(self, scope: core._Scope, name: str, value) -> None:
         """Give ``scope`` a received value: a tensor already on this place is shared, an array copied in."""

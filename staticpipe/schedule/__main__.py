@@ -4,7 +4,9 @@
         [--costs F=1,B=2] [--png out.png] [--json]
 
 ``--stages`` is the number of ranks (devices), ``--chunks`` the stages per device. ``--json`` prints
-the action lists as JSON (``schedule_from_json`` reads it back) instead of text.
+the action lists as JSON (``schedule_from_json`` reads it back) instead of text. ``--costs`` prices the
+simulation and, for the schedules that plan by costs (ZB-H1, ZB-V), the plan itself: the simulated
+total of the unit-cost plan under the same costs is printed beside it.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import argparse
 
 from .actions import format_schedule, schedule_to_json
 from .registry import get_kind, make_schedule
-from .simulate import simulate
+from .simulate import PLANNED_KINDS, simulate
 from .validate import validate
 
 
@@ -38,17 +40,22 @@ def main(argv: list[str] | None = None) -> None:
     try:
         kind = get_kind(args.schedule)
         chunks = args.chunks if args.chunks is not None else (kind.chunks or 1)
-        schedule = make_schedule(kind.name, args.stages, args.microbatches, chunks)
+        planned = {k: v for k, v in (args.costs or {}).items() if k in PLANNED_KINDS} if kind.cost_aware else {}
+        schedule = make_schedule(kind.name, args.stages, args.microbatches, chunks, planned or None)
         validate(schedule, args.stages * chunks, args.microbatches, kind.layout(args.stages, chunks),
                  kind.split_backward)
         costs = args.costs if args.costs is not None else {k: 1 / chunks for k in "FBW"}
         sim = simulate(schedule, costs, args.stages * chunks)
+        unit = simulate(make_schedule(kind.name, args.stages, args.microbatches, chunks), costs,
+                        args.stages * chunks) if planned else None
     except ValueError as e:
         parser.error(str(e))
     print(schedule_to_json(schedule) if args.json else format_schedule(schedule))
     print(f"simulated total: {sim.total:g}")
     print(f"bubble: {sim.bubble:.4f}")
     print("peak in flight: " + ", ".join(f"stage {s}: {n}" for s, n in sim.peak_inflight.items()))
+    if unit is not None:
+        print(f"unit-cost plan under these costs: simulated total {unit.total:g}, bubble {unit.bubble:.4f}")
     if args.png:
         from .gantt import draw_gantt
         draw_gantt({f"{kind.name}, {args.stages} devices x {chunks} chunks, {args.microbatches} micro-batches "

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import Schedule
+from .actions import Action, Schedule
 from .gpipe import f_then_b
 from .interleaved import interleaved
 from .one_f_one_b import one_f_one_b
+from .simulate import StageCosts, stage_cost_function
 from .zero_bubble import zb_h1, zb_v, zb_v_layout
 
 
@@ -24,11 +25,18 @@ class ScheduleKind:
     layout: Callable[[int, int], list[int]]  # (ranks, chunks) -> rank of each stage
     split_backward: bool = False  # emits W actions
     chunks: int | None = 1  # stages per rank it needs; None: any number >= 1
+    cost_aware: bool = False  # generate takes a fourth argument: the F/B/W durations to plan with
 
 
 def _one_chunk(generate: Callable[[int, int], Schedule]) -> Callable[[int, int, int], Schedule]:
     """For kinds with one stage per rank (``make_schedule`` has checked ``num_chunks == 1``)."""
     return lambda num_ranks, num_microbatches, num_chunks: generate(num_ranks, num_microbatches)
+
+
+def _one_chunk_costed(generate: Callable[[int, int, Callable[[Action], float] | None], Schedule]
+                      ) -> Callable[..., Schedule]:
+    """``_one_chunk`` for cost-aware kinds: costs, when given, go through to the generator."""
+    return lambda num_ranks, num_microbatches, num_chunks, costs=None: generate(num_ranks, num_microbatches, costs)
 
 
 def _round_robin(num_ranks: int, num_chunks: int) -> list[int]:
@@ -39,9 +47,9 @@ KINDS = {k.name: k for k in (
     ScheduleKind("F-then-B", _one_chunk(f_then_b), _round_robin),
     ScheduleKind("1F1B", _one_chunk(one_f_one_b), _round_robin),
     ScheduleKind("interleaved", interleaved, _round_robin, chunks=None),
-    ScheduleKind("ZB-H1", _one_chunk(zb_h1), _round_robin, split_backward=True),
-    ScheduleKind("ZB-V", _one_chunk(zb_v), lambda num_ranks, num_chunks: zb_v_layout(num_ranks),
-                 split_backward=True, chunks=2),
+    ScheduleKind("ZB-H1", _one_chunk_costed(zb_h1), _round_robin, split_backward=True, cost_aware=True),
+    ScheduleKind("ZB-V", _one_chunk_costed(zb_v), lambda num_ranks, num_chunks: zb_v_layout(num_ranks),
+                 split_backward=True, chunks=2, cost_aware=True),
 )}
 ALIASES = {"FThenB": "F-then-B", "GPipe": "F-then-B",
            "Interleaved1F1B": "interleaved", "interleaved-1F1B": "interleaved"}
@@ -85,16 +93,34 @@ def check_chunks(kind: ScheduleKind, num_ranks: int, num_chunks: int) -> None:
                      f"on {num_ranks} devices")
 
 
-def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
-    """The compute action lists (F, B, W, OPT) of schedule ``name``, keyed by rank."""
+def check_costs(kind: ScheduleKind, costs: StageCosts | None, num_stages: int | None = None,
+                name: str = "costs") -> Callable[[Action], float] | None:
+    """``costs`` (argument ``name``) as the duration function ``kind`` plans with, None for unit costs;
+    ``ValueError`` naming the schedule if it does not plan by costs, or the kind or value at fault."""
+    if costs is None:
+        return None
+    if not kind.cost_aware:
+        aware = ", ".join(k.name for k in KINDS.values() if k.cost_aware)
+        raise ValueError(f"{name} is for the schedules that plan by measured costs ({aware}); schedule "
+                         f"{kind.name} does not use it")
+    return stage_cost_function(costs, num_stages, name)
+
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
+                  costs: StageCosts | None = None) -> Schedule:
+    """The compute action lists (F, B, W, OPT) of schedule ``name``, keyed by rank. ``costs``: the
+    durations a cost-aware schedule plans with (see ``simulate.stage_cost_function``); None: unit."""
     kind = get_kind(name)
     check_microbatches(num_microbatches)
     _check_count("num_ranks", num_ranks)
     _check_count("num_chunks", num_chunks)
     check_chunks(kind, num_ranks, num_chunks)
+    duration = check_costs(kind, costs, num_ranks * num_chunks)
     if kind.name == "interleaved" and num_microbatches % num_ranks:
         below = num_microbatches - num_microbatches % num_ranks
         use = " or ".join(str(n) for n in (below, below + num_ranks) if n > 0)
         raise ValueError(f"interleaved 1F1B needs num_microbatches to be a multiple of the number of devices "
                          f"({num_ranks}); got {num_microbatches}: use {use}")
+    if duration is not None:
+        return kind.generate(num_ranks, num_microbatches, num_chunks, duration)
     return kind.generate(num_ranks, num_microbatches, num_chunks)

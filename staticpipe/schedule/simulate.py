@@ -6,8 +6,10 @@ Each rank runs its list in order, every action as early as its dependency allows
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from .actions import Action, Kind, Schedule
 from .execution import Event, execute
@@ -75,3 +77,43 @@ def peak_inflight(schedule: Schedule) -> dict[int, int]:
                 held.discard(a.microbatch)
             peak[a.stage] = max(peak.get(a.stage, 0), len(held))
     return dict(sorted(peak.items()))
+
+
+
+PLANNED_KINDS = (Kind.F, Kind.B, Kind.W)  # what a cost-aware generator prices; it places OPT last anyway
+
+StageCosts = Mapping[str, float | Sequence[float]] | Callable[[Action], float]
+
+
+def stage_cost_function(costs: StageCosts, num_stages: int | None = None,
+                        name: str = "costs") -> Callable[[Action], float]:
+    """``costs`` for a generator to plan with, checked, as a function of the action.
+
+    A mapping gives each of F, B, W one duration for every stage or a list of one per stage
+    (``Timeline.stage_costs()``: measured stages differ, and that is what the plan must know); kinds
+    left out cost 1. A callable is used as it is. Errors name ``name``, the kind and the value at
+    fault; the lists' length is checked once ``num_stages`` is known.
+    """
+    if callable(costs):
+        return costs
+    if not isinstance(costs, Mapping):
+        raise ValueError(f"{name} must be a mapping such as {{'F': 1, 'B': 1, 'W': 0.5}} or a function of the "
+                         f"action, got {costs!r}")
+    per_stage: dict[Kind, list[float]] = {}
+    for kind, value in costs.items():
+        if kind not in PLANNED_KINDS:
+            raise ValueError(f"unknown action kind {kind!r} in {name}; kinds: "
+                             f"{', '.join(k.value for k in PLANNED_KINDS)}")
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not values or not all(map(_is_duration, values)):
+            raise ValueError(f"{name}[{kind!r}] must be seconds >= 0, or a list of them (one per stage); got {value!r}")
+        if isinstance(value, (list, tuple)):
+            if num_stages is not None and len(values) != num_stages:
+                raise ValueError(f"{name}[{kind!r}] has {len(values)} values for {num_stages} stages: {value!r}")
+            per_stage[Kind(kind)] = [float(v) for v in values]
+    same = cost_function({k: v for k, v in costs.items() if Kind(k) not in per_stage})
+    return lambda a: per_stage[a.kind][a.stage] if a.kind in per_stage else same(a)
+
+
+def _is_duration(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0

@@ -2,8 +2,8 @@
 
 Splitting the backward into B (activation gradients, which the previous stage waits for) and W
 (weight gradients, which nobody waits for) lets a rank defer its W's into the idle time 1F1B has
-while the pipeline fills and drains. Both schedules come from one deterministic greedy list scheduler
-over unit costs (F = B = W = 1, one time step each): whenever a rank is free it runs, in priority,
+while the pipeline fills and drains. Both schedules come from one deterministic list scheduler that
+plays the step out in time: whenever a rank is free it runs, in priority,
 
 1. the next F of one of its stages (the later stage first), if its input is there and
    a. the stage holds fewer than ``S - s`` micro-batches between F and B (1F1B's warm-up rule), and
@@ -12,7 +12,10 @@ over unit costs (F = B = W = 1, one time step each): whenever a rank is free it 
       activations too;
 2. else a ready B (the later stage first, then the lowest micro-batch);
 3. else a pending W (the lowest micro-batch, then the later stage);
-4. else it waits. Each stage's OPT comes after everything.
+4. else it waits until the next action anywhere ends. Each stage's OPT comes after everything.
+
+An input is there once the action producing it has ended (messages cost nothing here). Without costs
+every action takes one time step (F = B = W = 1) and the ranks move in lock-step.
 
 Why F before B: with B first a rank answers each returning gradient at once and starves the ranks
 after it of forwards; with F first the W's fill exactly the fill-and-drain gaps. Measured at unit
@@ -20,13 +23,32 @@ costs, ZB-H1 takes ``3m + p - 1`` steps for every ``m >= p`` (p <= 8), the paper
 1F1B's idle time (B + W priced 2) at 1F1B's peak memory. Why 1b: without it the W's wait until the
 forwards run out and a rank holds all ``m`` micro-batches, like F-then-B.
 
+With measured costs (``costs``: per-action seconds, e.g. ``Timeline.stage_costs()``) the same rules
+are played out at the real durations, so each rank's order follows when its inputs really arrive: a
+light stage runs ahead to its memory cap and fills the wait with W's, a cheap W slots into a short
+gap; rule 1b then also keeps a slot for every later-chunk F the rank's micro-batches still need
+(``owed``: ZB-V's cheap first chunk could otherwise fill the cap and deadlock). As in the paper's
+heuristic scheduler, a W that would still be running when an F or B input arrives delays that F or B
+and everything downstream of it, so the planner also tries a second policy -- a W only where it ends
+before the next awaited input -- and keeps whichever of the two, or the unit-cost schedule, the
+simulator finds shortest under the costs (ties: the unit-cost one): a cost-aware schedule is never
+slower than the unit-cost one under the costs it was planned for. For two stages at the costs
+measured here the unit-cost ZB-H1 order is already the best, and the planner keeps it.
+
 ZB-H1 places stage s on rank s. ZB-V gives rank r the stages r and 2p-1-r: a micro-batch goes down
 the ranks and back up, so the last stage, whose B starts every backward, shares rank 0 with the
 first; with each chunk half a stage it idles about ``(p - 1) / 2`` steps, a sixth of 1F1B's.
 """
 from __future__ import annotations
 
+import heapq
+import math
+from typing import Callable, Iterator
+
 from .actions import OPT, Action, B, F, Kind, Schedule, W
+from .simulate import Costs, cost_function, simulate
+
+Duration = Callable[[Action], float]
 
 
 def zb_v_layout(num_ranks: int) -> list[int]:
@@ -34,56 +56,111 @@ def zb_v_layout(num_ranks: int) -> list[int]:
     return list(range(num_ranks)) + list(reversed(range(num_ranks)))
 
 
-def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    return greedy_split_backward(list(range(num_ranks)), num_microbatches)
+def zb_h1(num_ranks: int, num_microbatches: int, costs: Costs = None) -> Schedule:
+    return greedy_split_backward(list(range(num_ranks)), num_microbatches, costs)
 
 
-def zb_v(num_ranks: int, num_microbatches: int) -> Schedule:
-    return greedy_split_backward(zb_v_layout(num_ranks), num_microbatches)
+def zb_v(num_ranks: int, num_microbatches: int, costs: Costs = None) -> Schedule:
+    return greedy_split_backward(zb_v_layout(num_ranks), num_microbatches, costs)
 
 
-def greedy_split_backward(stage_ranks: list[int], num_microbatches: int) -> Schedule:
+def greedy_split_backward(stage_ranks: list[int], num_microbatches: int, costs: Costs = None) -> Schedule:
     """The list scheduler above for a placement ``stage_ranks`` (stage -> rank) with the same number
-    of stages on every rank."""
-    num_stages, m = len(stage_ranks), num_microbatches
-    stages_of = {r: sorted((s for s, q in enumerate(stage_ranks) if q == r), reverse=True)
-                 for r in sorted(set(stage_ranks))}
-    cap = num_stages  # p ranks x S/p chunks: 1F1B's first-stage peak, in (stage, micro-batch) pairs
-    done: set[Action] = set()
-    next_f = [0] * num_stages
-    before_b: list[set[int]] = [set() for _ in range(num_stages)]  # F done, B not
-    before_w: list[set[int]] = [set() for _ in range(num_stages)]  # B done, W not
+    of stages on every rank. ``costs`` (as for ``simulate``: None for unit costs, {"F": 1, "W": 0.5},
+    or a function of the action, e.g. per stage) are the durations it plans with."""
+    unit = _ListScheduler(stage_ranks, num_microbatches, cost_function(None)).run()
+    if costs is None:
+        return unit
+    duration = cost_function(costs)
+    planned = [unit] + [_ListScheduler(stage_ranks, num_microbatches, duration, timed=True, w_fits_gaps=fits).run()
+                        for fits in (False, True)]
+    return min(planned, key=lambda s: simulate(s, duration, len(stage_ranks)).total)  # ties: the unit one
 
-    def pick(r: int) -> Action | None:
-        held = sum(len(before_b[s]) + len(before_w[s]) for s in stages_of[r])
-        for s in stages_of[r]:
-            mb = next_f[s]
-            if (mb < m and (s == 0 or F(s - 1, mb) in done) and len(before_b[s]) < num_stages - s
-                    and held < cap):
-                return F(s, mb)
-        for s in stages_of[r]:
-            ready = [mb for mb in before_b[s] if s == num_stages - 1 or B(s + 1, mb) in done]
-            if ready:
-                return B(s, min(ready))
-        waiting = [(mb, -s) for s in stages_of[r] for mb in before_w[s]]
-        return W(-min(waiting)[1], min(waiting)[0]) if waiting else None
 
-    schedule: Schedule = {r: [] for r in stages_of}
-    while len(done) < 3 * m * num_stages:
-        step = {r: a for r in stages_of if (a := pick(r)) is not None}
-        if not step:
-            raise RuntimeError(f"greedy scheduler stuck for stage placement {stage_ranks}, m={m}")
-        for r, a in step.items():
-            schedule[r].append(a)
-            done.add(a)
-            if a.kind is Kind.F:
-                next_f[a.stage] += 1
-                before_b[a.stage].add(a.microbatch)
-            elif a.kind is Kind.B:
-                before_b[a.stage].discard(a.microbatch)
-                before_w[a.stage].add(a.microbatch)
-            else:
-                before_w[a.stage].discard(a.microbatch)
-    for r, stages in stages_of.items():
-        schedule[r] += [OPT(s) for s in sorted(stages)]
-    return schedule
+class _ListScheduler:
+    """One playing-out of the rules: what each stage has started, and when each started action ends."""
+
+    def __init__(self, stage_ranks: list[int], num_microbatches: int, duration: Duration, timed: bool = False,
+                 w_fits_gaps: bool = False):
+        self.stage_ranks, self.m, self.duration = stage_ranks, num_microbatches, duration
+        self.timed = timed  # real durations: keep the memory slots later chunks need (see ``owed``)
+        self.w_fits_gaps = w_fits_gaps  # a W only where it ends before the next awaited F/B input
+        self.num_stages = len(stage_ranks)
+        self.stages_of = {r: sorted((s for s, q in enumerate(stage_ranks) if q == r), reverse=True)
+                          for r in sorted(set(stage_ranks))}
+        self.cap = self.num_stages  # p ranks x S/p chunks: 1F1B's first-stage peak, in (stage, mb) pairs
+        self.end: dict[Action, float] = {}
+        self.next_f = [0] * self.num_stages
+        self.before_b: list[set[int]] = [set() for _ in stage_ranks]  # F started, B not
+        self.before_w: list[set[int]] = [set() for _ in stage_ranks]  # B started, W not
+
+    def run(self) -> Schedule:
+        """Every rank's actions in the order it starts them, each stage's OPT last."""
+        schedule: Schedule = {r: [] for r in self.stages_of}
+        free = dict.fromkeys(schedule, 0.0)
+        moments = [0.0]  # when something ends: the only times a waiting rank's choice can change
+        while len(self.end) < 3 * self.m * self.num_stages:
+            if not moments:
+                raise RuntimeError(f"greedy scheduler stuck for stage placement {self.stage_ranks}, m={self.m}")
+            now = heapq.heappop(moments)
+            for r in schedule:
+                if free[r] <= now and (a := self.pick(r, now)) is not None:
+                    schedule[r].append(a)
+                    free[r] = self.start(a, now)
+                    heapq.heappush(moments, free[r])
+        for r, stages in self.stages_of.items():
+            schedule[r] += [OPT(s) for s in sorted(stages)]
+        return schedule
+
+    def pick(self, r: int, now: float) -> Action | None:
+        """Rank ``r``'s next action at time ``now`` by the rules above, or None to wait."""
+        arrival = math.inf  # when the first F/B that is waiting only for its input can start
+        for a, needs in self.candidates(r):
+            if needs is None or self.end.get(needs, math.inf) <= now:
+                return a
+            arrival = min(arrival, self.end.get(needs, math.inf))
+        waiting = [(mb, -s) for s in self.stages_of[r] for mb in self.before_w[s]]
+        if not waiting:
+            return None
+        w = W(-min(waiting)[1], min(waiting)[0])
+        return w if not self.w_fits_gaps or now + self.duration(w) <= arrival else None
+
+    def candidates(self, r: int) -> Iterator[tuple[Action, Action | None]]:
+        """Rank ``r``'s F's within the memory caps, then its B's, in priority order, each with the
+        action whose output it needs (None: none)."""
+        held = sum(len(self.before_b[s]) + len(self.before_w[s]) for s in self.stages_of[r])
+        for s in self.stages_of[r]:
+            mb = self.next_f[s]
+            if mb < self.m and len(self.before_b[s]) < self.num_stages - s and held + self.owed(r, s) < self.cap:
+                yield F(s, mb), F(s - 1, mb) if s > 0 else None
+        for s in self.stages_of[r]:
+            for mb in sorted(self.before_b[s]):
+                yield B(s, mb), B(s + 1, mb) if s < self.num_stages - 1 else None  # its own F has ended
+
+    def owed(self, r: int, s: int) -> int:
+        """Slots rank ``r`` must keep for the later-chunk F's of the micro-batches already on it, once
+        stage ``s`` has started its next F. Why: at real durations a cheap first chunk can fill the whole
+        cap with its forwards before any returns on the later chunk, and then no micro-batch on the rank
+        can reach its backward (a deadlock). In lock-step at unit costs the later chunk's inputs always
+        come in time, and today's unit schedules use those slots, so they are kept only when ``timed``."""
+        if not self.timed:
+            return 0
+        first = min(self.stages_of[r])
+        started = [self.next_f[t] + (t == s) for t in range(len(self.next_f))]
+        return sum(started[first] - started[t] for t in self.stages_of[r])
+
+    def start(self, a: Action, now: float) -> float:
+        """Start ``a`` at ``now``; returns when it ends."""
+        seconds = self.duration(a)
+        if seconds < 0:
+            raise ValueError(f"costs give action {a} a negative duration ({seconds})")
+        self.end[a] = now + seconds
+        if a.kind is Kind.F:
+            self.next_f[a.stage] += 1
+            self.before_b[a.stage].add(a.microbatch)
+        elif a.kind is Kind.B:
+            self.before_b[a.stage].discard(a.microbatch)
+            self.before_w[a.stage].add(a.microbatch)
+        else:
+            self.before_w[a.stage].discard(a.microbatch)
+        return self.end[a]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..plan import Plan
 from ..schedule import Action, Kind, simulate
+from ..schedule.simulate import PLANNED_KINDS
 
 COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.OPT)
 
@@ -51,6 +52,17 @@ class Timeline:
         schedule's own bound, which the runtime's overhead is measured against."""
         cost = {a: end - start for _, a, start, end in self.events}
         return simulate(self.plan.actions, costs=lambda a: cost.get(a, 0.0) if a.kind in COMPUTE else 0.0)
+
+    def stage_costs(self) -> dict[str, list[float]]:
+        """Mean seconds of each stage's F, B and W actions in this step: ``{"F": [stage 0, stage 1, ...],
+        "B": [...], "W": [...]}`` (no "W" unless the backward was split), the ``schedule_costs`` a
+        zero-bubble schedule plans with. Take them from a split-backward step (ZB-H1, ZB-V): a 1F1B
+        step's B is the whole backward, which a zero-bubble plan would misprice as its B alone."""
+        times: dict[Kind, list[list[float]]] = {}
+        for _, a, start, end in self.events:
+            if a.kind in PLANNED_KINDS:
+                times.setdefault(a.kind, [[] for _ in self.plan.stages])[a.stage].append(end - start)
+        return {k.value: [sum(t) / len(t) for t in times[k]] for k in PLANNED_KINDS if k in times}
 
     def to_chrome(self, path: str) -> None:
         """Chrome trace JSON: one thread per rank, one complete event per action."""

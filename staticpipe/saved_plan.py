@@ -1,0 +1,235 @@
+"""Exported stages (PipeDream's "model conversion"): a pipeline plan and its programs in a directory, from
+which a process loads and runs its stages without the model code.
+
+A saved plan directory holds:
+- ``plan.json``: the format version and every field of the ``Plan`` (stages, devices, ranks, each
+  section's feeds, keep list and routes, the cut variables with their shapes and dtypes, the schedule's
+  name and action lists in text form, data variables and their specs, loss, shared parameters, notes,
+  micro-batch size and count), the programs' random seeds and whether a scheduler file exists;
+- ``stage-<s>/<kind>.pdmodel``: each section program as Paddle's serialized ``ProgramDesc`` (protobuf);
+- ``main.pdmodel``, ``startup.pdmodel``: the whole single-device program (its data variables are the
+  DataLoader's ``feed_list``; it is the reference ``verify`` trains) and the startup program that
+  initialises every stage;
+- ``lr_scheduler.pkl``: the learning-rate scheduler, when the optimizer has one.
+
+Why one file per section: a rank reads only its own stages' files, so a machine needs only those
+(and the main and startup programs), as PipeDream ships each worker its own stage.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from dataclasses import fields
+from typing import Any, Iterable
+
+from ._paddle import framework, paddle
+from .checkpoint import atomic_directory, recover_directory
+from .plan import CutVar, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of
+from .runtime.distributed import launched_world
+from .runtime.executor import stages_of_process
+from .schedule import format_schedule, lower, parse_schedule
+from .schedule.actions import COMM_KINDS, Schedule
+
+FORMAT_VERSION = 1
+PLAN_FILE, MAIN_FILE, STARTUP_FILE, SCHEDULER_FILE = "plan.json", "main.pdmodel", "startup.pdmodel", "lr_scheduler.pkl"
+
+
+def section_file(stage: int, kind: str) -> str:
+    """Where a section program lies, relative to the saved plan directory."""
+    return os.path.join(f"stage-{stage}", f"{kind}.pdmodel")
+
+
+# --- save -------------------------------------------------------------------------------------------
+def save_plan(program: framework.Program, directory: str,
+              startup_program: framework.Program | None = None) -> None:
+    """Write the plan of ``program`` (rewritten by ``PipelineOptimizer.minimize``), its section programs,
+    the main and startup programs and the learning-rate scheduler to ``directory``, replacing it
+    atomically (as ``staticpipe.save`` does). ``startup_program``: the one given to ``minimize``
+    (default: Paddle's default startup program).
+
+    The scheduler (``program.lr_scheduler``) is pickled: it is an arbitrary Python object whose class,
+    constructor arguments and progress all matter, and Paddle has no serialized form for it (its
+    ``state_dict`` holds the progress only). Loading needs its class importable: Paddle's own schedulers
+    always are. As with checkpoints, load only directories you trust.
+    """
+    plan = plan_of(program)
+    if plan is None:
+        raise ValueError("save_plan needs a program rewritten by staticpipe.PipelineOptimizer.minimize; this "
+                         "program has no pipeline plan")
+    startup = startup_program or paddle.static.default_startup_program()
+    if plan_of(startup) is not plan:
+        raise ValueError("startup_program is not the startup program of this plan: pass the startup program "
+                         "given to minimize")
+    unloaded = [s.index for s in plan.stages if not s.loaded]
+    if unloaded:
+        raise ValueError(f"save_plan needs every stage's section programs, but stages {unloaded} were not loaded "
+                         "in this process")
+    scheduler = _pickled_scheduler(program)
+    with atomic_directory(directory) as tmp:
+        for stage in plan.stages:
+            os.makedirs(os.path.join(tmp, f"stage-{stage.index}"))
+            for kind, section in stage.sections.items():
+                _write(tmp, section_file(stage.index, kind), section.program.desc.serialize_to_string())
+        _write(tmp, MAIN_FILE, program.desc.serialize_to_string())
+        _write(tmp, STARTUP_FILE, startup.desc.serialize_to_string())
+        if scheduler is not None:
+            _write(tmp, SCHEDULER_FILE, scheduler)
+        description = {"format": FORMAT_VERSION, "plan": _encode_plan(plan), "lr_scheduler": scheduler is not None,
+                       "random_seeds": {"main": program.random_seed, "startup": startup.random_seed}}
+        _write(tmp, PLAN_FILE, json.dumps(description, indent=1).encode())
+
+
+def _pickled_scheduler(program: framework.Program) -> bytes | None:
+    scheduler = getattr(program, "lr_scheduler", None)
+    if scheduler is None:
+        return None
+    try:
+        return pickle.dumps(scheduler, protocol=4)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ValueError(f"save_plan cannot pickle the learning-rate scheduler {type(scheduler).__name__}: "
+                         f"{exc}; use a scheduler without lambdas or local functions") from exc
+
+
+def _write(directory: str, name: str, data: bytes) -> None:
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+
+
+def _fields(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj) if f.name not in skip}
+
+
+def _encode_plan(plan: Plan) -> dict[str, Any]:
+    """Every field of ``plan``: those JSON holds as they are (numbers, strings, lists, dicts of them)
+    unchanged, so a field added to ``Plan`` later is saved too; the others in the forms ``_decode_plan``
+    reads. Action lists are kept in their text form, which people read; see ``_decode_actions``."""
+    data = _fields(plan)
+    data.update(
+        stages=[{**_fields(st, skip=("sections",)),
+                 "sections": {kind: _fields(sec, skip=("program",)) for kind, sec in st.sections.items()}}
+                for st in plan.stages],
+        routes=[{"index": r.index, "src": _fields(r.src), "dst": _fields(r.dst), "vars": [_fields(v) for v in r.vars]}
+                for r in plan.routes],
+        actions=format_schedule(plan.actions).splitlines(),
+        producers={name: _fields(ref) for name, ref in plan.producers.items()},
+    )
+    return data
+
+
+# --- load -------------------------------------------------------------------------------------------
+def load_plan(directory: str, stages: Iterable[int] | None = None
+              ) -> tuple[framework.Program, framework.Program]:
+    """The main and startup programs saved by ``save_plan`` in ``directory``, with the plan attached:
+    ``Executor.run(startup)``, ``Executor.run(main, feed=...)``, ``train_from_dataset``, ``state_dict``
+    and ``staticpipe.save``/``load`` work on them as on the originals. Switches Paddle to static mode.
+
+    ``stages``: the stages whose section programs to read; by default every stage, or in a job started
+    by ``staticpipe.launch`` the stages of this process's rank. The other stages' files need not exist.
+    """
+    paddle.enable_static()
+    recover_directory(directory)  # a save_plan killed after moving the previous directory aside
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no saved plan at {directory!r}: the directory does not exist")
+    plan_file = _existing(directory, PLAN_FILE, "the plan written by staticpipe.save_plan")
+    description = _read_description(plan_file)
+    plan = _decode_plan(description["plan"], plan_file)
+    for s in _stages_to_load(plan, stages, plan_file):
+        for kind, section in plan.stages[s].sections.items():
+            section.program = _read_program(directory, section_file(s, kind), f"the stage {s} {kind} section")
+    main = _read_program(directory, MAIN_FILE, "the main program")
+    startup = _read_program(directory, STARTUP_FILE, "the startup program")
+    main.random_seed = description["random_seeds"]["main"]
+    startup.random_seed = description["random_seeds"]["startup"]
+    if description["lr_scheduler"]:
+        with open(_existing(directory, SCHEDULER_FILE, "the learning-rate scheduler"), "rb") as f:
+            main.lr_scheduler = pickle.load(f)
+    attach_plan(plan, main, startup)
+    return main, startup
+
+
+def _existing(directory: str, name: str, what: str) -> str:
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r} does not exist: it holds {what}")
+    return path
+
+
+def _read_description(plan_file: str) -> dict[str, Any]:
+    with open(plan_file) as f:
+        description = json.load(f)
+    version = description.get("format")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{plan_file!r} has plan format {version!r}; this staticpipe reads format {FORMAT_VERSION}")
+    return description
+
+
+def _read_program(directory: str, name: str, what: str) -> framework.Program:
+    with open(_existing(directory, name, what), "rb") as f:
+        return paddle.static.deserialize_program(f.read())
+
+
+def _stages_to_load(plan: Plan, stages: Iterable[int] | None, plan_file: str) -> list[int]:
+    """``stages``, checked against the plan and the launched job, or this process's stages."""
+    world = launched_world()
+    needed = [s.index for s in plan.stages] if world is None else _stages_of_rank(plan, world, plan_file)
+    if stages is None:
+        return needed
+    stages = list(stages)
+    unknown = [s for s in stages if not (isinstance(s, int) and 0 <= s < plan.num_stages)]
+    if unknown:
+        raise ValueError(f"load_plan: stages={stages} names {unknown}, but {plan_file!r} has stages "
+                         f"0..{plan.num_stages - 1}")
+    left_out = [s for s in needed if s not in stages]
+    if world is not None and left_out:
+        raise ValueError(f"load_plan: rank {world[0]} runs stages {needed}, but stages={stages} leaves out "
+                         f"{left_out}")
+    return sorted(set(stages))
+
+
+def _stages_of_rank(plan: Plan, world: tuple[int, int], plan_file: str) -> list[int]:
+    try:
+        return [s.index for s in stages_of_process(plan, world)]
+    except ValueError as exc:
+        raise ValueError(f"{plan_file!r} does not fit this job: {exc}") from None
+
+
+def _tuples(data: dict[str, Any]) -> dict[str, Any]:
+    """JSON reads tuples back as lists; the plan's dataclasses hold tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def _decode_plan(data: dict[str, Any], plan_file: str) -> Plan:
+    """The plan ``_encode_plan`` wrote, with no section program loaded yet."""
+    try:
+        routes = [Route(r["index"], SectionRef(**r["src"]), SectionRef(**r["dst"]),
+                        tuple(CutVar(**_tuples(v)) for v in r["vars"])) for r in data["routes"]]
+        decoded = dict(
+            stages=[_decode_stage(st) for st in data["stages"]],
+            routes=routes,
+            actions=_decode_actions(data["actions"], routes, plan_file),
+            producers={name: SectionRef(**ref) for name, ref in data["producers"].items()},
+            data_vars={name: tuple(stages) for name, stages in data["data_vars"].items()},
+            data_specs={name: (tuple(shape), dtype) for name, (shape, dtype) in data["data_specs"].items()},
+            shared={name: tuple(stages) for name, stages in data["shared"].items()},
+            replicated={int(op): why for op, why in data["replicated"].items()},
+        )
+        return Plan(**{f.name: data[f.name] for f in fields(Plan) if f.name not in decoded}, **decoded)
+    except KeyError as exc:
+        raise ValueError(f"{plan_file!r} lacks the plan field {exc}") from None
+
+
+def _decode_stage(data: dict[str, Any]) -> Stage:
+    sections = {kind: Section(program=None, **_tuples(sec)) for kind, sec in data["sections"].items()}
+    return Stage(**_tuples({k: v for k, v in data.items() if k != "sections"}), sections=sections)
+
+
+def _decode_actions(lines: list[str], routes: list[Route], plan_file: str) -> Schedule:
+    """The action lists from their text form. The text of a SEND/RECV leaves out its route; lowering the
+    compute actions again with the plan's routes (as the rewrite did) puts the routes back, and must give
+    exactly the saved text."""
+    saved = parse_schedule("\n".join(lines))
+    actions = lower({rank: [a for a in acts if a.kind not in COMM_KINDS] for rank, acts in saved.items()}, routes)
+    if format_schedule(actions) != format_schedule(saved):
+        raise ValueError(f"{plan_file!r}: the sends and receives of the action lists do not match the plan's routes")
+    return actions

@@ -1,0 +1,73 @@
+"""The same training script under ``python -m paddle.distributed.launch`` (Paddle 2.6's launcher): two
+processes on one node, and two "nodes" on this machine (two launchers meeting at --master
+127.0.0.1:PORT). Each run must reproduce the threaded run exactly, as under staticpipe.launch.
+
+Paddle's launcher sets PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM, PADDLE_MASTER (the job's TCPStore),
+PADDLE_TRAINER_ENDPOINTS, PADDLE_CURRENT_ENDPOINT and, without accelerators, PADDLE_DISTRI_BACKEND=gloo;
+worker output goes to --log_dir/workerlog.N.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_distributed import REPO, run, states
+
+from staticpipe.launch import free_ports
+
+pytestmark = pytest.mark.timeout(300)
+JOB = dict(MODEL="mlp", STAGES="2", SCHED="1F1B")
+
+
+def paddle_launch(out, script, *args):
+    """Start ``python -m paddle.distributed.launch [args] script`` writing its states to ``out``."""
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), PYTHONPATH=REPO, **JOB)
+    return subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(out / "log"),
+                             *args, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish(launcher, out):
+    output = launcher.communicate(timeout=240)[0]
+    logs = "".join(p.read_text()[-1500:] for p in sorted((out / "log").glob("workerlog.*")))
+    assert launcher.returncode == 0, output[-1500:] + logs
+
+
+@pytest.fixture(scope="module")
+def threaded(tmp_path_factory):
+    """The threaded run's state, and the script (written by ``run``) that every launch runs."""
+    tmp_path = tmp_path_factory.mktemp("threaded")
+    single = run(tmp_path, 1, **JOB)
+    assert single.returncode == 0, single.stderr[-2000:]
+    return states(tmp_path, "state_single.npz"), tmp_path / "train.py"
+
+
+def assert_equal_states(pieces, reference):
+    assert sorted(pieces) == sorted(reference)
+    for name, value in reference.items():
+        np.testing.assert_array_equal(pieces[name], value, err_msg=name)
+
+
+def test_two_processes_on_one_node(tmp_path, threaded):
+    reference, script = threaded
+    out = tmp_path / "job"
+    finish(paddle_launch(out, script, "--nproc_per_node", "2"), out)
+    assert_equal_states(states(out, "state_[0-9].npz"), reference)
+
+
+def test_two_nodes_on_this_machine(tmp_path, threaded):
+    """Two launchers, one process each: node 1 finds node 0 through --master."""
+    reference, script = threaded
+    master = f"127.0.0.1:{free_ports(1)[0]}"
+    outs = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    launchers = [paddle_launch(out, script, "--nnodes", "2", "--master", master, "--rank", str(rank),
+                               "--nproc_per_node", "1") for rank, out in enumerate(outs)]
+    for launcher, out in zip(launchers, outs):
+        finish(launcher, out)
+    nodes = [states(out, "state_[0-9].npz") for out in outs]
+    assert "fc_0.w_0" in nodes[0] and "fc_0.w_0" not in nodes[1]  # one stage per node
+    assert_equal_states({**nodes[0], **nodes[1]}, reference)
