@@ -34,7 +34,8 @@ SCRIPT = textwrap.dedent("""
     from pipeline_util import minimize
     from staticpipe._paddle import paddle
     stages, model = int(os.environ["STAGES"]), os.environ["MODEL"]
-    net = build_gpt(num_stages=stages) if model == "gpt" else build_mlp(num_stages=stages)
+    devices = os.environ["DEVICES"].split(",") if os.environ.get("DEVICES") else None
+    net = build_gpt(num_stages=stages) if model == "gpt" else build_mlp(num_stages=stages, stage_devices=devices)
     clip = paddle.nn.ClipGradByGlobalNorm(0.5)
     minimize(net, paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=clip),
              dict(num_microbatches=4, schedule=os.environ["SCHED"], dp_degree=int(os.environ.get("DP", "1"))))
@@ -78,6 +79,20 @@ def test_processes_reproduce_the_threaded_run(tmp_path, model, stages, schedule)
     single = run(tmp_path, 1, **env)
     assert single.returncode == 0, single.stderr[-2000:]
     multi = run(tmp_path, stages, **env)
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    reference, pieces = states(tmp_path, "state_single.npz"), states(tmp_path, "state_[0-9].npz")
+    assert sorted(pieces) == sorted(reference)
+    for name, value in reference.items():
+        np.testing.assert_array_equal(pieces[name], value, err_msg=name)
+
+
+def test_several_stages_per_process_with_global_norm_clipping(tmp_path):
+    """ZB-V on 2 processes: each holds two stages (one passes its activations to the other inside the
+    process) and sums both stages' parts of the global norm before the all-reduce."""
+    env = dict(MODEL="mlp", STAGES="4", SCHED="ZB-V", DEVICES="gpu:0,gpu:1,gpu:1,gpu:0")
+    single = run(tmp_path, 1, **env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = run(tmp_path, 2, **env)
     assert multi.returncode == 0, multi.stderr[-2000:]
     reference, pieces = states(tmp_path, "state_single.npz"), states(tmp_path, "state_[0-9].npz")
     assert sorted(pieces) == sorted(reference)

@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 
 import staticpipe
-from models import build_mlp, build_resnet
+from models import build_gpt, build_mlp, build_resnet
 from pipeline_util import assert_same_training, minimize, train_twins
 from staticpipe._paddle import np, paddle
 from staticpipe.schedule import ScheduleError, format_schedule
@@ -52,6 +52,37 @@ def test_split_and_chunked_schedules_with_batch_norm(schedule):
         states.append(exe.state_dict(net.main))
     for name, value in states[1].items():
         np.testing.assert_allclose(states[0][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "ZB-V"])
+def test_chunked_schedules_with_global_norm_clipping(schedule):
+    """A rank holding several stages runs their optimize sections together: the global-norm sum adds
+    the local stages' parts before going over the ranks (run one after the other, the first stage's
+    sum would wait forever for the second)."""
+    devices = LAYOUTS[schedule]
+    builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices)
+
+    def clipped():
+        return paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05))
+    assert_same_training(train_twins(builder, clipped, num_microbatches=4, schedule=schedule), rtol=1e-5)
+
+
+def test_zb_v_with_a_tied_embedding_owned_and_read_on_one_rank():
+    """ZB-V puts the GPT's first and last stage on gpu:0: the tied embedding's owner (stage 0) receives
+    stage 3's partial gradient from its own rank inside the optimize step."""
+    devices = ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]
+
+    def builder(guarded: bool = True):
+        net = build_gpt(num_stages=1, guarded=False)
+        if guarded:
+            staticpipe.auto_place(net.main, devices=devices, policy="uniform", schedule="ZB-V", num_microbatches=4)
+        return net
+    probe = builder()
+    minimize(probe, paddle.optimizer.SGD(0.1), dict(num_microbatches=4, schedule="ZB-V"))
+    assert [stages for stages in staticpipe.plan_of(probe.main).shared.values()] == [(0, 3)]
+    twin = train_twins(builder, lambda: paddle.optimizer.SGD(0.1), steps=2, batch_size=8, num_microbatches=4,
+                       schedule="ZB-V")
+    assert_same_training(twin, rtol=1e-5)
 
 
 def test_zero_bubble_sections_split_weight_gradients():

@@ -330,7 +330,11 @@ def _optimize_section(block: framework.Block, stage: int, device: str, ops: list
     owned = {g: g + MERGED_SUFFIX for g, p_ in merge.items() if assignment.param_stage[p_] == stage}
     for sp in partials:
         if sp.owner == stage:  # add the other stages' partial sums into the owner's buffer
-            name = _declare_merged(dst, block, sp.name)
+            # received under a name of its own: on a device holding both stages, the sender's buffer
+            # lives in the same scope and must not be replaced by the received copy
+            name = f"{sp.name}{MERGED_SUFFIX}@FROM_STAGE_{sp.stage}"
+            g = block._var_recursive(sp.name)
+            dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=False, stop_gradient=True)
             append_comm_op(dst, "recv_v2", _cut_var(block, sp.name, name), sp.stage, device, ROLE_OPTIMIZE, None)
             target = grads[sp.param] + MERGED_SUFFIX
             append_tagged_op(dst, "elementwise_add", device, ROLE_OPTIMIZE, inputs={"X": [target], "Y": [name]},

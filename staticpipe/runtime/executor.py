@@ -89,9 +89,6 @@ class Executor:
             return self._channel
         channel = self._channels.get(id(plan))
         if channel is None:
-            if len(plan.stages) != len(plan.ranks) and (plan.shared or plan.replicated):
-                raise ValueError("several stages per process with cross-stage reductions or shared parameters "
-                                 "are not supported across processes yet")
             pipeline = len(plan.ranks)
             channel = self._channels[id(plan)] = DistributedChannel(
                 [s.rank for s in plan.stages], pipeline, place_of(plan.ranks[self._world[0] % pipeline]))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 from .._paddle import core, framework, np, paddle
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, WEIGHT, Plan
 from ..rewrite import clear_device_tags, split_at_comm_ops, without_comm_ops
 from ..schedule import Action, Kind
+from ..schedule.actions import OPT
 from .channel import Channel, PipelineAborted
 from .places import generic_place
 
@@ -103,12 +104,13 @@ class DeviceWorker:
         plan, result = job.plan, StepResult()
         last_use = {(a.stage, a.microbatch): i for i, a in enumerate(job.actions) if a.microbatch is not None}
         scopes: dict[tuple[int, int], core._Scope] = {}
+        optimizers = _optimizer_groups(job.actions)
         try:
             for i, action in enumerate(job.actions):
                 started = time.perf_counter()
                 try:
-                    self._run_action(job, action, scopes, result)
-                except PipelineAborted:
+                    self._run_action(job, action, scopes, result, optimizers)
+                except (PipelineAborted, StageError):
                     raise
                 except BaseException as exc:
                     raise StageError(action.stage, self.device, action, exc) from exc
@@ -122,10 +124,12 @@ class DeviceWorker:
                 self._release(plan, stage, mb, scope)
         return result
 
-    def _run_action(self, job: StepJob, a: Action, scopes: dict, result: StepResult) -> None:
+    def _run_action(self, job: StepJob, a: Action, scopes: dict, result: StepResult,
+                    optimizers: dict[int, list[int]]) -> None:
         plan = job.plan
         if a.kind is Kind.OPT:
-            self._run_optimize(job, a.stage)
+            if a.stage in optimizers:  # the first of the rank's OPT actions runs them all
+                self._run_optimizers(job, optimizers[a.stage])
             return
         key = (a.stage, a.microbatch)
         scope = scopes.get(key)
@@ -156,29 +160,81 @@ class DeviceWorker:
             for name in names:
                 result.fetched.setdefault(name, []).append(np.array(_tensor(scope, name, a)))
 
-    def _run_optimize(self, job: StepJob, stage: int) -> None:
-        """Run the optimize section piece by piece, doing its send/recv/all-reduce ops on the channel."""
+    def _run_optimizers(self, job: StepJob, stages: list[int]) -> None:
+        """Run the optimize sections of this rank's ``stages`` together, each a coroutine that pauses at
+        every exchange it waits for (``_optimize_steps``).
+
+        Why together: one rank may hold several stages (interleaved, ZB-V), run by this one thread. A
+        global-norm sum needs every stage's part, and a shared parameter's owner waits for the partial
+        gradient of a stage that may sit on the same rank: run one after the other, the first would wait
+        forever for the second. So exchanges between local stages are served locally, a cross-stage sum
+        adds the local parts (in stage order) and then goes once over the ranks, and only when no local
+        stage can go on does the rank wait for another rank."""
+        plan, rank = job.plan, plan_rank(job.plan, stages[0])
+        sent: set = set()
+        coroutines = {s: self._optimize_steps(job, s, sent) for s in stages}
+        waits: dict[int, tuple] = {}
+
+        def resume(stage: int, reply: Any = None) -> None:
+            try:
+                waits[stage] = coroutines[stage].send(reply)
+            except StopIteration:
+                waits.pop(stage, None)
+            except PipelineAborted:
+                raise
+            except BaseException as exc:
+                raise StageError(stage, self.device, OPT(stage), exc) from exc
+
+        for stage in stages:
+            resume(stage)
+        while waits:
+            local = next((s for s, (kind, key, src) in waits.items() if kind == "recv" and key in sent), None)
+            sums = {key for kind, key, _ in waits.values() if kind == "sum"}
+            if local is not None:
+                _, key, src = waits[local]
+                resume(local, job.channel.recv(key, src))
+            elif len(sums) == 1 and all(kind == "sum" for kind, _, _ in waits.values()):
+                parts = [waits[s][2] for s in sorted(waits)]
+                total = job.channel.allreduce(sums.pop(), rank, sum(parts[1:], parts[0].copy()),
+                                              tuple(range(len(plan.ranks))))
+                for stage in sorted(waits):
+                    resume(stage, total)
+            else:
+                stage = next((s for s, (kind, _, src) in waits.items() if kind == "recv"
+                              and plan_rank(plan, src) != rank), None)
+                if stage is None:
+                    raise RuntimeError(f"the optimize sections of stages {stages} wait for each other: {waits}")
+                _, key, src = waits[stage]
+                resume(stage, job.channel.recv(key, src))
+
+    def _optimize_steps(self, job: StepJob, stage: int, sent: set) -> Generator[tuple, Any, None]:
+        """Run the optimize section piece by piece. Sends go out at once (their keys are added to
+        ``sent``); at a receive it yields ("recv", key, source stage) and at a cross-stage sum ("sum",
+        key, its part), and is resumed with the message or the total. A message is keyed by its two
+        stages and its place among their messages this step: both sides list the exchanges in the same
+        order, while the variable names may differ."""
         plan = job.plan
-        group = tuple(range(plan.num_stages))
         if job.channel.replicas > 1:
             self._average_replicas(job.channel, plan.stages[stage].grad_buffers)
+        sends: dict[int, int] = {}
+        recvs: dict[int, int] = {}
         for piece in self._optimize_pieces(plan, stage):
             if not isinstance(piece, framework.Operator):
                 self._exe.run_prepared_ctx(piece, self.scope, False, True, True)
                 self._sync()
             elif piece.type == "send_v2":
                 name, peer = piece.input("X")[0], piece.attr("peer")
-                dst = generic_place(job.places[peer])
-                job.channel.send(("opt", name, stage, peer), {name: _tensor(self.scope, name, piece.type)._copy(dst)},
-                                 peer)
+                key = ("opt", stage, peer, _count(sends, peer))
+                job.channel.send(key, {name: _tensor(self.scope, name, piece.type)._copy(
+                    generic_place(job.places[peer]))}, peer)
+                sent.add(key)
             elif piece.type == "recv_v2":
                 name, peer = piece.output("Out")[0], piece.attr("peer")
-                message = job.channel.recv(("opt", name, peer, stage), peer)
-                self._put(self.scope, name, message[name])
+                message = yield "recv", ("opt", peer, stage, _count(recvs, peer)), peer
+                self._put(self.scope, name, next(iter(message.values())))
             else:  # c_allreduce_sum over all stages
                 src, out = piece.input("X")[0], piece.output("Out")[0]
-                total = job.channel.allreduce(("opt", out), stage, np.array(_tensor(self.scope, src, piece.type)),
-                                              group)
+                total = yield "sum", ("opt", out), np.array(_tensor(self.scope, src, piece.type))
                 self.scope.var(out).get_tensor().set(total, self.place)
 
     def _average_replicas(self, channel: Channel, buffers: tuple[str, ...]) -> None:
@@ -282,3 +338,26 @@ def _check_cut(var, tensor: core.LoDTensor, micro_batch_size: int | None) -> Non
     dtype = convert_dtype(tensor._dtype())
     if dtype != var.dtype:
         raise ValueError(f"cut variable '{var.name}' has dtype {dtype}, but the plan compiled {var.dtype}")
+
+
+def _optimizer_groups(actions: list[Action]) -> dict[int, list[int]]:
+    """First stage of each run of consecutive OPT actions -> the stages of that run (run together)."""
+    groups: dict[int, list[int]] = {}
+    run: list[int] = []
+    for a in actions + [None]:
+        if a is not None and a.kind is Kind.OPT:
+            run.append(a.stage)
+        elif run:
+            groups[run[0]] = run
+            run = []
+    return groups
+
+
+def plan_rank(plan: Plan, stage: int) -> int:
+    return plan.stages[stage].rank
+
+
+def _count(counts: dict[int, int], peer: int) -> int:
+    """The number of earlier exchanges with ``peer`` (then counts this one)."""
+    counts[peer] = counts.get(peer, 0) + 1
+    return counts[peer] - 1
