@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from .runtime.places import cuda_device_count
 from .runtime.watchdog import STOPPED_EXIT
 
 
@@ -32,9 +33,11 @@ def rank_environments(nprocs: int) -> list[dict[str, str]]:
     """The ``paddle.distributed`` variables of each rank of a job on this machine (loopback ports)."""
     ports = free_ports(nprocs + 1)
     endpoints = ",".join(f"127.0.0.1:{p}" for p in ports[1:])
-    return [dict(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(nprocs), PADDLE_DISTRI_BACKEND="gloo",
-                 PADDLE_MASTER=f"127.0.0.1:{ports[0]}", PADDLE_TRAINER_ENDPOINTS=endpoints,
-                 PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank + 1]}") for rank in range(nprocs)]
+    gpus = cuda_device_count() >= nprocs  # a GPU per rank: NCCL, rank r on GPU r; else gloo on CPU
+    return [dict(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(nprocs),
+                 PADDLE_DISTRI_BACKEND="nccl" if gpus else "gloo", PADDLE_MASTER=f"127.0.0.1:{ports[0]}",
+                 PADDLE_TRAINER_ENDPOINTS=endpoints, PADDLE_CURRENT_ENDPOINT=f"127.0.0.1:{ports[rank + 1]}",
+                 **({"FLAGS_selected_gpus": str(rank)} if gpus else {})) for rank in range(nprocs)]
 
 
 def launch(nprocs: int, argv: list[str], poll_s: float = 0.2, wait_origin_s: float = 5.0) -> int:

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from test_distributed import REPO, run, states
 
-from staticpipe.launch import free_ports
+from staticpipe._paddle import core
+from staticpipe.launch import free_ports, rank_environments
+from staticpipe.runtime.places import place_of
 
 pytestmark = pytest.mark.timeout(300)
 JOB = dict(MODEL="mlp", STAGES="2", SCHED="1F1B")
@@ -71,3 +73,13 @@ def test_two_nodes_on_this_machine(tmp_path, threaded):
     nodes = [states(out, "state_[0-9].npz") for out in outs]
     assert "fc_0.w_0" in nodes[0] and "fc_0.w_0" not in nodes[1]  # one stage per node
     assert_equal_states({**nodes[0], **nodes[1]}, reference)
+
+
+def test_without_cuda_every_rank_uses_gloo_on_the_cpu(monkeypatch):
+    """On a CUDA machine with a GPU per rank, staticpipe.launch picks NCCL and gives rank r GPU r (not
+    run here: no GPU); without CUDA, gloo, and a launched rank's gpu:k runs on the CPU."""
+    envs = rank_environments(2)
+    assert [e["PADDLE_DISTRI_BACKEND"] for e in envs] == ["gloo", "gloo"]
+    assert not any("FLAGS_selected_gpus" in e for e in envs)
+    monkeypatch.setenv("FLAGS_selected_gpus", "0")
+    assert isinstance(place_of("gpu:1", launched=True), core.CPUPlace)

@@ -171,9 +171,13 @@ def launched_world() -> tuple[int, int] | None:
 
 
 def init_distributed() -> None:
-    """Join the ``paddle.distributed`` job (gloo on CPU); works from a static-mode process."""
+    """Join the ``paddle.distributed`` job (gloo on CPU, NCCL on the GPU the launcher selected); works
+    from a static-mode process."""
     import paddle.distributed as dist
-    with paddle.base.dygraph.guard(paddle.CPUPlace()):
+
+    from .places import cuda_device_count, process_gpu
+    gpu = process_gpu() if cuda_device_count() else None
+    with paddle.base.dygraph.guard(paddle.CPUPlace() if gpu is None else paddle.CUDAPlace(gpu)):
         dist.init_parallel_env()
 
 

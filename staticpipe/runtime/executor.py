@@ -67,13 +67,16 @@ class Executor:
     def worker(self, device: str) -> DeviceWorker:
         w = self._workers.get(device)
         if w is None:
-            w = self._workers[device] = DeviceWorker(device, place_of(device), core.Scope())
+            w = self._workers[device] = DeviceWorker(device, self._place_of(device), core.Scope())
             budget = self.threads_per_stage
             if isinstance(budget, dict):
                 budget = budget.get(device, 1)
             self._threads[device] = cf.ThreadPoolExecutor(
                 1, thread_name_prefix=f"staticpipe-{device}", initializer=_init_worker_thread, initargs=(budget,))
         return w
+
+    def _place_of(self, device: str) -> core.Place:
+        return place_of(device, launched=self._world is not None)
 
     def local_stages(self, plan: Plan) -> list:
         """The stages this process runs: all of them, or its rank's when launched as several processes."""
@@ -91,7 +94,7 @@ class Executor:
         if channel is None:
             pipeline = len(plan.ranks)
             channel = self._channels[id(plan)] = DistributedChannel(
-                [s.rank for s in plan.stages], pipeline, place_of(plan.ranks[self._world[0] % pipeline]))
+                [s.rank for s in plan.stages], pipeline, self._place_of(plan.ranks[self._world[0] % pipeline]))
         return channel
 
     def scope_of(self, device: str) -> core._Scope:
@@ -225,7 +228,7 @@ class Executor:
         local = self.local_stages(plan)
         # a message to a stage of another process leaves from host memory (see DistributedChannel)
         mine = {s.index for s in local}
-        places = {s.index: place_of(s.device) if s.index in mine else core.CPUPlace() for s in plan.stages}
+        places = {s.index: self._place_of(s.device) if s.index in mine else core.CPUPlace() for s in plan.stages}
         channel = self._channel_for(plan)
         channel.reset()
         record = self._recorder()

@@ -6,6 +6,7 @@ becomes a CPU "device": its own worker thread, scope and intra-op thread budget 
 from __future__ import annotations
 
 import logging
+import os
 
 from .._paddle import core
 from ..placement import parse_device
@@ -18,8 +19,19 @@ def cuda_device_count() -> int:
     return core.get_cuda_device_count() if core.is_compiled_with_cuda() else 0
 
 
-def place_of(device: str) -> core.Place:
-    """The Paddle place of ``device``; raises ``ValueError`` for a gpu index CUDA does not have."""
+def process_gpu() -> int | None:
+    """The GPU a launcher gave this process (``FLAGS_selected_gpus``, set by ``paddle.distributed.launch``
+    and ``staticpipe.launch`` on a CUDA machine), or None."""
+    selected = os.environ.get("FLAGS_selected_gpus", "")
+    return int(selected.split(",")[0]) if selected else None
+
+
+def place_of(device: str, launched: bool = False) -> core.Place:
+    """The Paddle place of ``device``; raises ``ValueError`` for a gpu index CUDA does not have.
+
+    ``launched``: this process is one rank of a job of several. Its "gpu:k" then names a pipeline
+    device, and the process runs it on the GPU its launcher selected (on another machine "gpu:1" may be
+    that machine's only GPU, 0)."""
     global _warned
     dev = parse_device(device)
     if dev.kind == "cpu":
@@ -31,6 +43,8 @@ def place_of(device: str) -> core.Place:
                         "(its own worker thread and thread budget on CPUPlace)")
             _warned = True
         return core.CPUPlace()
+    if launched and process_gpu() is not None:
+        return core.CUDAPlace(process_gpu())
     if dev.index >= count:
         raise ValueError(f"device {device!r} does not exist: CUDA reports {count} GPU(s) (gpu:0..gpu:{count - 1})")
     return core.CUDAPlace(dev.index)

@@ -73,7 +73,9 @@ class DeviceWorker:
         self._exe = core.Executor(generic_place(place))
         self._ctx: dict[tuple, Any] = {}
         self._free: list[core._Scope] = []
-        self._cuda = isinstance(place, core.CUDAPlace)
+        # a section's device tags are kept only where they name this place (a launched rank may run
+        # "gpu:1" on its own GPU 0); elsewhere the worker's place decides
+        self._cuda = isinstance(place, core.CUDAPlace) and device == f"gpu:{place.get_device_id()}"
         self._programs: list = []  # keeps alive the programs whose descs prepared contexts use
         self.memory: dict[int, MemoryStats] = {}  # stage -> activation memory
         self._held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes kept after its forward
