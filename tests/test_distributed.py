@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent("""
     stages, model = int(os.environ["STAGES"]), os.environ["MODEL"]
     devices = os.environ["DEVICES"].split(",") if os.environ.get("DEVICES") else None
     net = build_gpt(num_stages=stages) if model == "gpt" else build_mlp(num_stages=stages, stage_devices=devices)
+    test = net.main.clone(for_test=True)
     clip = paddle.nn.ClipGradByGlobalNorm(0.5)
     minimize(net, paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=clip),
              dict(num_microbatches=4, schedule=os.environ["SCHED"], dp_degree=int(os.environ.get("DP", "1"))))
@@ -52,6 +53,11 @@ SCRIPT = textwrap.dedent("""
     np.save(os.path.join(os.environ["OUT"], f"loss_{{rank}}.npy"), np.array(losses))
     if os.environ.get("CKPT"):
         staticpipe.save(net.main, os.path.join(os.environ["OUT"], "ckpt"), exe)
+    if os.environ.get("EVAL"):
+        loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+        loader.set_sample_generator(net.sample_reader(24), batch_size=8)
+        got = exe.evaluate(test, loader, [net.loss], num_microbatches=2, like=net.main)[0]
+        np.save(os.path.join(os.environ["OUT"], f"eval_{{rank}}.npy"), np.nan if got is None else got)
 """)
 
 
@@ -112,8 +118,9 @@ def test_data_times_pipeline_parallel_equals_one_pipeline_on_the_global_batch(tm
     """dp=2 x pp=2 on 4 processes: each replica trains on half of every global batch and the replicas
     average their accumulated gradients before the update (global-norm clipping after the average).
     Both replicas end bit-identical, and equal to one pipeline on the whole batch up to float32
-    summation order; the fetched loss is the global batch's."""
-    env = dict(MODEL="mlp", STAGES="2", SCHED="1F1B")
+    summation order; the fetched loss and the evaluated loss are the global batch's; rank 0 alone
+    writes the checkpoint, with both pipeline ranks' state."""
+    env = dict(MODEL="mlp", STAGES="2", SCHED="1F1B", EVAL="1")
     single = run(tmp_path, 1, **env)
     assert single.returncode == 0, single.stderr[-2000:]
     multi = run(tmp_path, 4, DP="2", CKPT="1", **env)
@@ -129,6 +136,10 @@ def test_data_times_pipeline_parallel_equals_one_pipeline_on_the_global_batch(tm
     np.testing.assert_array_equal(losses[0], losses[1])
     np.testing.assert_allclose(losses[0], np.load(tmp_path / "loss_single.npy"), rtol=1e-6)
     assert np.isnan(np.load(tmp_path / "loss_0.npy")).all()
+    evaluated = [np.load(tmp_path / f"eval_{rank}.npy") for rank in (1, 3)]  # each replica half a batch
+    np.testing.assert_array_equal(evaluated[0], evaluated[1])
+    np.testing.assert_allclose(evaluated[0], np.load(tmp_path / "eval_single.npy"), rtol=1e-5)
+    assert np.isnan(np.load(tmp_path / "eval_0.npy"))
     saved = {}  # rank 0 wrote the checkpoint with both pipeline ranks' state
     for part in ("model.pdparams", "model.pdopt"):
         with open(tmp_path / "ckpt" / part, "rb") as f:

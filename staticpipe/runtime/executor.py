@@ -364,7 +364,9 @@ class Executor:
                  num_microbatches: int = 1, like: framework.Program | None = None) -> list[np.ndarray]:
         """Run the evaluation program over one epoch of ``dataset`` as a forward-only pipeline on the
         trained stages and return each fetched value averaged over all samples (batches weighted by
-        their size), which equals single-device evaluation of means such as loss and accuracy.
+        their size), which equals single-device evaluation of means such as loss and accuracy (None
+        in a process of a launched job that does not compute it; with data parallelism each replica
+        evaluates its slice of every batch and the means are averaged over the replicas).
 
         ``program``: ``main.clone(for_test=True)`` taken before ``minimize``; it is rewritten once
         (the plan is kept on it). ``like``: the training program, whose chunking it follows.
@@ -380,12 +382,13 @@ class Executor:
         totals, samples = None, 0
         for batch in dataset.epoch():
             n = len(next(iter(batch.values())))
-            values = [np.asarray(v, dtype=np.float64) for v in self._step(plan, batch, names)]
-            totals = [v * n for v in values] if totals is None else [t + v * n for t, v in zip(totals, values)]
+            weighted = [None if v is None else np.asarray(v, dtype=np.float64) * n
+                        for v in self._step(plan, batch, names)]
+            totals = weighted if totals is None else [None if t is None else t + w for t, w in zip(totals, weighted)]
             samples += n
         if totals is None:
             raise ValueError("the evaluation data set gave no batch")
-        return [t / samples for t in totals]
+        return [None if t is None else t / samples for t in totals]  # None: computed by another process
 
     def _checkpoint(self, program: framework.Program, directory: str, keep_last: int) -> None:
         if not checkpoint.save(program, os.path.join(directory, f"step-{self.global_step:08d}"), self,
