@@ -49,8 +49,10 @@ SCRIPT = textwrap.dedent("""
             os.kill(os.getpid(), 9)
         loss, = exe.run(net.main, feed=net.random_batch(8, seed=step), fetch_list=[net.loss])
         losses.append(np.nan if loss is None else float(loss))
+        ndim = -1 if loss is None else np.ndim(loss)
     np.savez(os.path.join(os.environ["OUT"], f"state_{{rank}}.npz"), **exe.state_dict(net.main))
     np.save(os.path.join(os.environ["OUT"], f"loss_{{rank}}.npy"), np.array(losses))
+    np.save(os.path.join(os.environ["OUT"], f"ndim_{{rank}}.npy"), ndim)
     if os.environ.get("CKPT"):
         staticpipe.save(net.main, os.path.join(os.environ["OUT"], "ckpt"), exe)
     if os.environ.get("EVAL"):
@@ -133,6 +135,7 @@ def test_data_times_pipeline_parallel_equals_one_pipeline_on_the_global_batch(tm
             np.testing.assert_array_equal(replica[name], replicas[0][name], err_msg=name)
             np.testing.assert_allclose(replica[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
     losses = [np.load(tmp_path / f"loss_{rank}.npy") for rank in (1, 3)]  # the last stage computes it
+    assert np.load(tmp_path / "ndim_1.npy") == np.load(tmp_path / "ndim_single.npy")  # same shape as one process
     np.testing.assert_array_equal(losses[0], losses[1])
     np.testing.assert_allclose(losses[0], np.load(tmp_path / "loss_single.npy"), rtol=1e-6)
     assert np.isnan(np.load(tmp_path / "loss_0.npy")).all()

@@ -208,7 +208,7 @@ class Executor:
         (equal slices). Batched values stay this replica's rows."""
         if plan.dp_degree == 1 or _batched(plan, name):
             return value
-        return self._channel_for(plan).replica_mean(np.ascontiguousarray(value))
+        return self._channel_for(plan).replica_mean(np.ascontiguousarray(value)).reshape(np.shape(value))
 
     def _locate_fetches(self, plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
         where: dict[tuple[int, str], tuple[str, ...]] = {}
