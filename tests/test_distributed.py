@@ -79,33 +79,27 @@ def states(tmp_path, pattern):
     return merged
 
 
-@pytest.mark.parametrize("model,stages,schedule", [
-    ("mlp", 2, "1F1B"), ("mlp", 3, "ZB-H1"), ("gpt", 2, "1F1B")],
-    ids=["mlp-2proc-1F1B", "mlp-3proc-ZB-H1", "gpt-2proc-tied-embedding"])
-def test_processes_reproduce_the_threaded_run(tmp_path, model, stages, schedule):
-    env = dict(MODEL=model, STAGES=str(stages), SCHED=schedule)
-    single = run(tmp_path, 1, **env)
-    assert single.returncode == 0, single.stderr[-2000:]
-    multi = run(tmp_path, stages, **env)
-    assert multi.returncode == 0, multi.stderr[-2000:]
-    reference, pieces = states(tmp_path, "state_single.npz"), states(tmp_path, "state_[0-9].npz")
+def assert_equal_states(pieces, reference):
+    """The processes' merged state holds exactly the reference's names, each bit for bit equal."""
     assert sorted(pieces) == sorted(reference)
     for name, value in reference.items():
         np.testing.assert_array_equal(pieces[name], value, err_msg=name)
 
 
-def test_several_stages_per_process_with_global_norm_clipping(tmp_path):
-    """ZB-V on 2 processes: each holds two stages (one passes its activations to the other inside the
-    process) and sums both stages' parts of the global norm before the all-reduce."""
-    env = dict(MODEL="mlp", STAGES="4", SCHED="ZB-V", DEVICES="gpu:0,gpu:1,gpu:1,gpu:0")
+@pytest.mark.parametrize("model,stages,nprocs,schedule,devices", [
+    ("mlp", 2, 2, "1F1B", ""), ("mlp", 3, 3, "ZB-H1", ""), ("gpt", 2, 2, "1F1B", ""),
+    ("mlp", 4, 2, "ZB-V", "gpu:0,gpu:1,gpu:1,gpu:0")],
+    ids=["mlp-2proc-1F1B", "mlp-3proc-ZB-H1", "gpt-2proc-tied-embedding", "mlp-2proc-ZB-V-two-stages-each"])
+def test_processes_reproduce_the_threaded_run(tmp_path, model, stages, nprocs, schedule, devices):
+    """Every case clips by global norm. In ZB-V each process holds two stages: one passes its
+    activations to the other inside the process, and both stages' parts of the global norm are summed
+    before the all-reduce."""
+    env = dict(MODEL=model, STAGES=str(stages), SCHED=schedule, DEVICES=devices)
     single = run(tmp_path, 1, **env)
     assert single.returncode == 0, single.stderr[-2000:]
-    multi = run(tmp_path, 2, **env)
+    multi = run(tmp_path, nprocs, **env)
     assert multi.returncode == 0, multi.stderr[-2000:]
-    reference, pieces = states(tmp_path, "state_single.npz"), states(tmp_path, "state_[0-9].npz")
-    assert sorted(pieces) == sorted(reference)
-    for name, value in reference.items():
-        np.testing.assert_array_equal(pieces[name], value, err_msg=name)
+    assert_equal_states(states(tmp_path, "state_[0-9].npz"), states(tmp_path, "state_single.npz"))
 
 
 def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
@@ -129,11 +123,10 @@ def test_data_times_pipeline_parallel_equals_one_pipeline_on_the_global_batch(tm
     assert multi.returncode == 0, multi.stderr[-2000:]
     reference = states(tmp_path, "state_single.npz")
     replicas = [states(tmp_path, f"state_[{2 * k}{2 * k + 1}].npz") for k in (0, 1)]
-    for replica in replicas:
-        assert sorted(replica) == sorted(reference)
-        for name, value in reference.items():
-            np.testing.assert_array_equal(replica[name], replicas[0][name], err_msg=name)
-            np.testing.assert_allclose(replica[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert_equal_states(replicas[1], replicas[0])
+    assert sorted(replicas[0]) == sorted(reference)
+    for name, value in reference.items():
+        np.testing.assert_allclose(replicas[0][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
     losses = [np.load(tmp_path / f"loss_{rank}.npy") for rank in (1, 3)]  # the last stage computes it
     assert np.load(tmp_path / "ndim_1.npy") == np.load(tmp_path / "ndim_single.npy")  # same shape as one process
     np.testing.assert_array_equal(losses[0], losses[1])
@@ -147,9 +140,7 @@ def test_data_times_pipeline_parallel_equals_one_pipeline_on_the_global_batch(tm
     for part in ("model.pdparams", "model.pdopt"):
         with open(tmp_path / "ckpt" / part, "rb") as f:
             saved.update(pickle.load(f))
-    assert sorted(saved) == sorted(reference)
-    for name, value in replicas[0].items():
-        np.testing.assert_array_equal(saved[name], value, err_msg=name)
+    assert_equal_states(saved, replicas[0])
 
 
 def test_data_parallel_plans_need_one_process_per_device_and_replica():

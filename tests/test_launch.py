@@ -12,9 +12,8 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from test_distributed import REPO, run, states
+from test_distributed import REPO, assert_equal_states, run, states
 
 from staticpipe._paddle import core
 from staticpipe.launch import free_ports, rank_environments
@@ -46,12 +45,6 @@ def threaded(tmp_path_factory):
     single = run(tmp_path, 1, **JOB)
     assert single.returncode == 0, single.stderr[-2000:]
     return states(tmp_path, "state_single.npz"), tmp_path / "train.py"
-
-
-def assert_equal_states(pieces, reference):
-    assert sorted(pieces) == sorted(reference)
-    for name, value in reference.items():
-        np.testing.assert_array_equal(pieces[name], value, err_msg=name)
 
 
 def test_two_processes_on_one_node(tmp_path, threaded):

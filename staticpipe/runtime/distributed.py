@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
+import socket
 import threading
 from typing import Hashable
 
@@ -35,6 +37,7 @@ import numpy as np
 
 from .._paddle import core, paddle
 from .channel import Channel, Message, PipelineAborted
+from .places import cuda_device_count, process_gpu
 
 STORE_TIMEOUT_S = 900  # how long a group's rendezvous waits for its members
 _GROUPS_MADE = itertools.count()  # same sequence on every rank: groups are made in the same order
@@ -165,7 +168,6 @@ class DistributedChannel(Channel):
 
 def launched_world() -> tuple[int, int] | None:
     """(rank, world size) when this process was started by a launcher with more than one process."""
-    import os
     size = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
     return (int(os.environ.get("PADDLE_TRAINER_ID", "0")), size) if size > 1 else None
 
@@ -175,7 +177,6 @@ def init_distributed() -> None:
     from a static-mode process."""
     import paddle.distributed as dist
 
-    from .places import cuda_device_count, process_gpu
     gpu = process_gpu() if cuda_device_count() else None
     with paddle.base.dygraph.guard(paddle.CPUPlace() if gpu is None else paddle.CUDAPlace(gpu)):
         dist.init_parallel_env()
@@ -184,8 +185,6 @@ def init_distributed() -> None:
 def _new_group(ranks: list[int]):
     """``paddle.distributed.new_group(ranks)`` rendezvousing in a TCPStore of its own (see the module
     docstring): the group's first rank serves it on a free port, which it publishes in the job's store."""
-    import socket
-
     import paddle.distributed as dist
     from paddle.distributed import collective
 
@@ -211,6 +210,5 @@ def _new_group(ranks: list[int]):
 
 def _host_of(rank: int) -> str:
     """This rank's address as the launcher gave it (``PADDLE_TRAINER_ENDPOINTS``), else loopback."""
-    import os
     endpoints = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")
     return endpoints[rank].rsplit(":", 1)[0] if len(endpoints) > rank and endpoints[rank] else "127.0.0.1"

@@ -58,7 +58,7 @@ class Executor:
         if self._world is not None:
             init_distributed()
             self._watchdog = watchdog.start(*self._world)
-        self._channels: dict[int, Channel] = {}
+        self._channels: dict[tuple, Channel] = {}
         self.trace = trace
         self.global_step = 0  # training steps run (restored by staticpipe.load)
         self._records: list[tuple] = []  # (action, start, end) of the last step, when tracing
@@ -90,10 +90,13 @@ class Executor:
     def _channel_for(self, plan: Plan) -> Channel:
         if self._world is None:
             return self._channel
-        channel = self._channels.get(id(plan))
+        # one channel per layout, not per plan: an evaluation plan on the same stages reuses the training
+        # plan's process groups instead of making (and rendezvousing) them all again
+        layout = (tuple(s.rank for s in plan.stages), tuple(plan.ranks))
+        channel = self._channels.get(layout)
         if channel is None:
             pipeline = len(plan.ranks)
-            channel = self._channels[id(plan)] = DistributedChannel(
+            channel = self._channels[layout] = DistributedChannel(
                 [s.rank for s in plan.stages], pipeline, self._place_of(plan.ranks[self._world[0] % pipeline]))
         return channel
 

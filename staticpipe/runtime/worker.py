@@ -172,7 +172,8 @@ class DeviceWorker:
         forever for the second. So exchanges between local stages are served locally, a cross-stage sum
         adds the local parts (in stage order) and then goes once over the ranks, and only when no local
         stage can go on does the rank wait for another rank."""
-        plan, rank = job.plan, plan_rank(job.plan, stages[0])
+        plan = job.plan
+        rank = plan.stages[stages[0]].rank
         sent: set = set()
         coroutines = {s: self._optimize_steps(job, s, sent) for s in stages}
         waits: dict[int, tuple] = {}
@@ -190,24 +191,22 @@ class DeviceWorker:
         for stage in stages:
             resume(stage)
         while waits:
-            local = next((s for s, (kind, key, src) in waits.items() if kind == "recv" and key in sent), None)
+            receiver = next((s for s, (kind, key, _) in waits.items() if kind == "recv" and key in sent), None)
             sums = {key for kind, key, _ in waits.values() if kind == "sum"}
-            if local is not None:
-                _, key, src = waits[local]
-                resume(local, job.channel.recv(key, src))
-            elif len(sums) == 1 and all(kind == "sum" for kind, _, _ in waits.values()):
+            if receiver is None and len(sums) == 1 and all(kind == "sum" for kind, _, _ in waits.values()):
                 parts = [waits[s][2] for s in sorted(waits)]
                 total = job.channel.allreduce(sums.pop(), rank, sum(parts[1:], parts[0].copy()),
                                               tuple(range(len(plan.ranks))))
                 for stage in sorted(waits):
                     resume(stage, total)
-            else:
-                stage = next((s for s, (kind, _, src) in waits.items() if kind == "recv"
-                              and plan_rank(plan, src) != rank), None)
-                if stage is None:
+                continue
+            if receiver is None:  # nothing left to do here: wait for another rank
+                receiver = next((s for s, (kind, _, src) in waits.items() if kind == "recv"
+                                 and plan.stages[src].rank != rank), None)
+                if receiver is None:
                     raise RuntimeError(f"the optimize sections of stages {stages} wait for each other: {waits}")
-                _, key, src = waits[stage]
-                resume(stage, job.channel.recv(key, src))
+            _, key, src = waits[receiver]
+            resume(receiver, job.channel.recv(key, src))
 
     def _optimize_steps(self, job: StepJob, stage: int, sent: set) -> Generator[tuple, Any, None]:
         """Run the optimize section piece by piece. Sends go out at once (their keys are added to
@@ -354,9 +353,6 @@ def _optimizer_groups(actions: list[Action]) -> dict[int, list[int]]:
             run = []
     return groups
 
-
-def plan_rank(plan: Plan, stage: int) -> int:
-    return plan.stages[stage].rank
 
 
 def _count(counts: dict[int, int], peer: int) -> int:
