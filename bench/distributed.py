@@ -21,7 +21,8 @@ sys.path.insert(0, ROOT)
 
 import staticpipe  # noqa: E402
 from models import build_mlp  # noqa: E402
-from staticpipe._paddle import np, paddle  # noqa: E402
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 
 
 def step_times(steps: int) -> tuple[list[float], staticpipe.Executor, object]:

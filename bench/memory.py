@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 def run_one(args) -> dict:
     import staticpipe
     from models import build_mlp, build_resnet
-    from staticpipe._paddle import paddle
+    import paddle  # after staticpipe, which settles Paddle's IR flag
 
     if args.model == "mlp":
         net = build_mlp(num_stages=args.stages, in_dim=1024, hidden=1024, depth=8)

@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
 from models import Network, build_mlp, build_resnet  # noqa: E402
-from staticpipe._paddle import core, paddle  # noqa: E402
+import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
+from paddle.base import core  # noqa: E402
 from staticpipe.schedule import format_schedule, make_schedule, simulate  # noqa: E402
 from staticpipe.schedule.simulate import stage_cost_function  # noqa: E402
 

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
 from models import build_resnet  # noqa: E402
-from staticpipe._paddle import core, paddle  # noqa: E402
+import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
+from paddle.base import core  # noqa: E402
 
 
 def build():

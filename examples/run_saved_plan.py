@@ -19,7 +19,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
-from staticpipe._paddle import np, paddle  # noqa: E402
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 
 
 def save(args: argparse.Namespace) -> None:

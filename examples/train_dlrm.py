@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
 from models import build_dlrm  # noqa: E402
-from staticpipe._paddle import paddle  # noqa: E402
+import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
 from models import build_resnet  # noqa: E402
-from staticpipe._paddle import np, paddle  # noqa: E402
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 
 
 def random_reader(num_samples: int, image_size: int, num_classes: int):

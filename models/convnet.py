@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from staticpipe._paddle import paddle
+import staticpipe  # noqa: F401  (settles Paddle's static-IR flag before paddle is used)
+import paddle
 
 from .network import Network, Variable, build_classifier
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from staticpipe._paddle import paddle
+import staticpipe  # noqa: F401  (settles Paddle's static-IR flag before paddle is used)
+import paddle
 
 from .network import Network, Variable, _distinct_init_seeds, _on_device, stage_of
 

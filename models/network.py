@@ -11,8 +11,9 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Sequence
 
-from staticpipe._paddle import np, paddle
-from staticpipe.placement import device_guard, split_point
+from staticpipe import device_guard, split_point  # first: importing staticpipe settles Paddle's IR flag
+import numpy as np
+import paddle
 
 Variable = paddle.static.Variable
 Block = Callable[[Variable], Variable]

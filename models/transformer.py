@@ -5,7 +5,9 @@ read by the lookup on the first stage and, transposed, by the output projection 
 """
 from __future__ import annotations
 
-from staticpipe._paddle import np, paddle
+import staticpipe  # noqa: F401  (settles Paddle's static-IR flag before paddle is used)
+import numpy as np
+import paddle
 
 from .network import Network, Variable, _distinct_init_seeds, _on_stage, stage_of
 

@@ -5,8 +5,9 @@ build (device_guard) -> rewrite (PipelineOptimizer, Plan) -> schedule (action li
 from . import io, schedule
 from .optimizer import PipelineOptimizer
 from .placement import Device, device_guard, parse_device, split_point
-from .plan import Plan
-from .runtime import Executor, StageError, plan_of
+from .plan import Plan, plan_of
+from .runtime import StageError
+from .executor import Executor
 from .checkpoint import load, save
 from .saved_plan import load_plan, save_plan
 from .export import export_inference

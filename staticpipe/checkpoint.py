@@ -4,7 +4,7 @@ A checkpoint is a directory:
 - ``model.pdparams``: the parameters, ``{name: ndarray}`` pickled as ``paddle.static.save`` writes them,
   so ``paddle.static.load(program, "<dir>/model")`` loads it into the single-device program too;
 - ``model.pdopt``: the optimizer state (accumulators, the learning-rate variable) in the same form;
-- ``meta.json``: the global step, the learning-rate scheduler's state, and the plan's devices.
+- ``meta.json``: the global step and the learning-rate scheduler's state.
 
 Why a directory replaced in one rename: a save writes ``<dir>.tmp`` completely, moves the old
 checkpoint aside, renames the new one into place, then deletes the old one. A crash at any point
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ._paddle import framework, np
 
 if TYPE_CHECKING:
-    from .runtime.executor import Executor
+    from .executor import Executor
 
 PARAMS, OPT, META = "model.pdparams", "model.pdopt", "meta.json"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ._paddle import framework, paddle
-from .rewrite import clear_device_tags
+from .ir import clear_device_tags
 
 if TYPE_CHECKING:
-    from .runtime.executor import Executor
+    from .executor import Executor
 
 
 def export_inference(program: framework.Program, feed_vars: Sequence, fetch_vars: Sequence, path: str,

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from .runtime.places import cuda_device_count
+from .placement import cuda_device_count
 from .runtime.watchdog import STOPPED_EXIT
 
 

@@ -10,8 +10,7 @@ from typing import Any
 
 from ._paddle import framework, paddle
 from .plan import Plan, attach_plan
-from .rewrite import build_plan, check_micro_batch_size, check_schedule_costs, custom_schedule
-from .schedule import canonical_name, check_microbatches
+from .rewrite import PlanOptions, plan_with
 from .schedule.simulate import StageCosts
 
 
@@ -41,17 +40,13 @@ class PipelineOptimizer:
         if not hasattr(optimizer, "minimize"):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, got {type(optimizer).__name__}")
         self.inner = optimizer
-        self.num_microbatches = check_microbatches(num_microbatches)
-        self.schedule = schedule if custom_schedule(schedule) is not None else canonical_name(schedule)
-        check_schedule_costs(self.schedule, schedule_costs)
-        self.schedule_costs = schedule_costs
-        check_micro_batch_size(micro_batch_size)
-        self.micro_batch_size = micro_batch_size
-        self.recompute = recompute
-        if not isinstance(dp_degree, int) or isinstance(dp_degree, bool) or dp_degree < 1:
-            raise ValueError(f"dp_degree must be an integer >= 1, got {dp_degree!r}")
-        self.dp_degree = dp_degree
+        self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree)
         self.plan: Plan | None = None
+
+    num_microbatches = property(lambda self: self.options.num_microbatches)
+    schedule = property(lambda self: self.options.schedule)
+    micro_batch_size = property(lambda self: self.options.micro_batch_size)
+    dp_degree = property(lambda self: self.options.dp_degree)
 
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
                  parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:
@@ -59,8 +54,6 @@ class PipelineOptimizer:
         startup = startup_program or paddle.static.default_startup_program()
         result = self.inner.minimize(loss, startup_program=startup, parameters=parameters,
                                      no_grad_set=no_grad_set)
-        self.plan = build_plan(program, loss.name, self.num_microbatches, self.schedule, self.micro_batch_size,
-                               self.recompute, schedule_costs=self.schedule_costs)
-        self.plan.dp_degree = self.dp_degree
+        self.plan = plan_with(program, loss.name, self.options)
         attach_plan(self.plan, program, startup)
         return result

@@ -1,18 +1,26 @@
-"""Devices and the guard that tags ops with them.
+"""Where things run: device strings, the guard that tags ops with them, and the Paddle place of each.
 
 A device string names where a stage runs: "cpu", "gpu" (the same as "gpu:0") or "gpu:k". Paddle's own
 ``device_guard`` writes the string into each op's ``op_device`` attribute; staticpipe's guard checks and
 normalises the string first, so that the rewrite never meets a spelling it does not understand.
+
+"gpu:k" is ``CUDAPlace(k)`` when Paddle is built with CUDA and device k exists; without CUDA every stage
+becomes a CPU "device": its own worker thread, scope and intra-op thread budget on ``CPUPlace``. In a job
+of several processes (``launched_world``) a process runs its "gpu:k" stages on the GPU its launcher
+selected.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from ._paddle import paddle
+from ._paddle import OP_DEVICE, core, framework, paddle
 
+log = logging.getLogger("staticpipe")
 _DEVICE_RE = re.compile(r"^(cpu|gpu)(?::([0-9]+))?$")
 ACCEPTED_FORMS = '"cpu", "gpu", "gpu:k" (k = 0, 1, ...)'
 
@@ -37,6 +45,12 @@ def parse_device(device: str) -> Device:
         raise ValueError(f"invalid device {device!r}: accepted forms are {ACCEPTED_FORMS}")
     kind, index = m.group(1), int(m.group(2) or 0)
     return Device(kind, 0 if kind == "cpu" else index)
+
+
+def op_device(op: framework.Operator) -> str | None:
+    """The normalised device an op's ``op_device`` tag names, or None for an untagged op."""
+    dev = op.attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
+    return str(parse_device(dev)) if dev else None
 
 
 @contextlib.contextmanager
@@ -65,3 +79,55 @@ def split_point(program: "paddle.static.Program | None" = None) -> None:
     points = getattr(program, SPLIT_POINTS, set())
     points.add(len(program.global_block().ops))
     setattr(program, SPLIT_POINTS, points)
+
+
+# --- places -----------------------------------------------------------------------------------------
+_warned = False
+
+
+def cuda_device_count() -> int:
+    return core.get_cuda_device_count() if core.is_compiled_with_cuda() else 0
+
+
+def process_gpu() -> int | None:
+    """The GPU a launcher gave this process (``FLAGS_selected_gpus``, set by ``paddle.distributed.launch``
+    and ``staticpipe.launch`` on a CUDA machine), or None."""
+    selected = os.environ.get("FLAGS_selected_gpus", "")
+    return int(selected.split(",")[0]) if selected else None
+
+
+def launched_world() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by a launcher with more than one process."""
+    size = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    return (int(os.environ.get("PADDLE_TRAINER_ID", "0")), size) if size > 1 else None
+
+
+def place_of(device: str, launched: bool = False) -> core.Place:
+    """The Paddle place of ``device``; raises ``ValueError`` for a gpu index CUDA does not have.
+
+    ``launched``: this process is one rank of a job of several. Its "gpu:k" then names a pipeline
+    device, and the process runs it on the GPU its launcher selected (on another machine "gpu:1" may be
+    that machine's only GPU, 0)."""
+    global _warned
+    dev = parse_device(device)
+    if dev.kind == "cpu":
+        return core.CPUPlace()
+    count = cuda_device_count()
+    if count == 0:
+        if not _warned:
+            log.warning("staticpipe: CUDA is not available; every gpu:k stage runs as a CPU device "
+                        "(its own worker thread and thread budget on CPUPlace)")
+            _warned = True
+        return core.CPUPlace()
+    if launched and process_gpu() is not None:
+        return core.CUDAPlace(process_gpu())
+    if dev.index >= count:
+        raise ValueError(f"device {device!r} does not exist: CUDA reports {count} GPU(s) (gpu:0..gpu:{count - 1})")
+    return core.CUDAPlace(dev.index)
+
+
+def generic_place(place: core.Place) -> core.Place:
+    """``core.Place`` wrapper that the C++ executor and tensor copies take."""
+    p = core.Place()
+    p.set_place(place)
+    return p

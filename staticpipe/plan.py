@@ -1,9 +1,14 @@
 """The Plan: what the rewrite decided, in data the runtime and the user can read.
 
 A plan names the stages (a device each), the sections of every stage (forward, backward, optimize and
-init programs with explicit send/recv ops), the cut variables that travel between sections with their
-compiled shapes and dtypes, and the schedule's action lists. Nothing here executes anything; the
-runtime only follows it.
+init programs), the cut variables that travel between sections with their compiled shapes and dtypes
+(``Route``s, once per micro-batch), the messages the optimize sections exchange once per step
+(``Exchange``s), and the schedule's action lists. Nothing here executes anything; the runtime only
+follows it.
+
+Why frozen: a plan is built once, complete, by the rewrite (or read back by ``load_plan``) and then
+shared by every worker, evaluation and saved copy; what changes while training (the micro-batch size a
+first batch fixes, the step count) is runtime state, never a later assignment to the plan.
 """
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ FORWARD, BACKWARD, WEIGHT, OPTIMIZE, INIT = "forward", "backward", "weight", "op
 # Order of a micro-batch's sections through the pipeline: F0 < F1 < ... < B1 < B0, then the weight
 # gradients W (only for schedules that split the backward).
 PER_MICROBATCH = (FORWARD, BACKWARD, WEIGHT)
+FORWARD_ONLY = "forward-only"  # the schedule name of evaluation plans
+COMM_OP_TYPES = ("send_v2", "recv_v2")  # point-to-point ops at the ends of per-micro-batch sections
+COLLECTIVE_OP_TYPES = COMM_OP_TYPES + ("c_allreduce_sum",)  # comm ops the optimize section may hold
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class CutVar:
             return (micro_batch_size,) + self.shape[1:]
         return self.shape
 
-    def describe(self, micro_batch_size: int | None) -> str:
+    def describe(self, micro_batch_size: int | None = None) -> str:
         dims = [("mb" if (i == 0 and self.batched and micro_batch_size is None) else str(d))
                 for i, d in enumerate(self.shape_for(micro_batch_size))]
         return f"{self.name} [{', '.join(dims)}] {self.dtype}"
@@ -79,9 +87,56 @@ class Route:
         return "FB"
 
 
-@dataclass
+SEND, SUM = "send", "sum"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A once-per-step message of the optimize sections, stated as data as a ``Route`` is per micro-batch.
+
+    ``SEND``: stage ``src`` sends ``vars`` (its names) to stage ``dst``, which stores them as ``recv_as``.
+    ``SUM``: every stage gives its part ``vars[0]`` and stores the sum over all stages as ``recv_as[0]``
+    (added in stage order, so every stage holds the same bits). ``why`` says what it is for.
+    """
+
+    index: int
+    kind: str
+    vars: tuple[CutVar, ...]
+    recv_as: tuple[str, ...]
+    why: str
+    src: int = -1
+    dst: int = -1
+
+    def involves(self, stage: int) -> bool:
+        return self.kind == SUM or stage in (self.src, self.dst)
+
+    def __str__(self) -> str:
+        if self.kind == SUM:
+            return f"every stage: {self.vars[0].describe()} summed into {self.recv_as[0]} ({self.why})"
+        names = ", ".join(v.describe() + ("" if v.name == r else f" as {r}") for v, r in zip(self.vars, self.recv_as))
+        return f"stage {self.src} -> stage {self.dst}: {names} ({self.why})"
+
+
+@dataclass(frozen=True, eq=False)
+class Run:
+    """A compute-only program the runtime executes, and the values it must leave alive for what follows
+    it in the step (later runs of the section, exchanges, later sections of the micro-batch).
+    ``program`` is None for an empty run (two exchanges in a row)."""
+
+    program: "paddle.static.Program | None"
+    keep: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
 class Section:
-    """One program of one stage. ``program`` holds the recv ops first and the send ops last."""
+    """One program of one stage.
+
+    ``program`` is the section as Paddle's own pipeline writes it: the recv ops first and the send ops
+    last (per micro-batch), or the optimize ops with the send, recv and all-reduce ops of its exchanges
+    where they happen. ``runs`` is what the runtime executes: the same ops without the communication,
+    which the plan states as data (``recv_routes``/``send_routes``; ``exchanges``, where exchange k
+    comes after ``runs[k]``).
+    """
 
     stage: int
     kind: str
@@ -90,8 +145,15 @@ class Section:
     keep: tuple[str, ...] = ()  # values this section must keep for later sections of the same micro-batch
     recv_routes: tuple[int, ...] = ()
     send_routes: tuple[int, ...] = ()
+    exchanges: tuple[int, ...] = ()  # optimize: the plan's exchanges this section takes part in, in order
     source_ops: tuple[int, ...] = ()  # indices of the user program's ops this section runs
     recomputed_ops: tuple[int, ...] = ()  # forward ops run a second time here (recompute)
+    runs: tuple[Run, ...] = ()  # compute-only programs: one, or len(exchanges) + 1 for optimize
+
+    @property
+    def run(self) -> Run:
+        """The one compute program of a per-micro-batch or init section."""
+        return self.runs[0]
 
     @property
     def num_compute_ops(self) -> int:
@@ -101,20 +163,16 @@ class Section:
         return f"# stage {self.stage} {self.kind} section\n{self.program}"
 
 
-COMM_OP_TYPES = ("send_v2", "recv_v2")  # point-to-point ops at the ends of per-micro-batch sections
-COLLECTIVE_OP_TYPES = COMM_OP_TYPES + ("c_allreduce_sum",)  # comm ops the optimize section may hold
-
-
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Stage:
     index: int
     device: str
+    rank: int  # the worker (device) that runs this stage
     sections: dict[str, Section] = field(default_factory=dict)
     parameters: tuple[str, ...] = ()
     persistables: tuple[str, ...] = ()  # every persistable variable this stage reads or writes
     grad_buffers: tuple[str, ...] = ()  # per-step gradient accumulators (not part of the state)
     recompute: bool = False  # forward activations are recomputed in the backward section
-    rank: int = 0  # the worker (device) that runs this stage
 
     @property
     def loaded(self) -> bool:
@@ -123,22 +181,25 @@ class Stage:
         return all(sec.program is not None for sec in self.sections.values())
 
 
-@dataclass
+
+
+@dataclass(frozen=True, eq=False)
 class Plan:
-    stages: list[Stage]
-    routes: list[Route]
+    stages: tuple[Stage, ...]
+    routes: tuple[Route, ...]
     num_microbatches: int
     schedule: str
     actions: dict[int, list]  # rank -> list of schedule Actions (with SEND/RECV)
-    ranks: list[str]  # rank -> device; a device may hold several stages
+    ranks: tuple[str, ...]  # rank -> device; a device may hold several stages
     data_vars: dict[str, tuple[int, ...]]  # data variable -> stages that read it
     data_specs: dict[str, tuple[tuple[int, ...], str]]  # data variable -> (shape, dtype)
     loss: str
     producers: dict[str, SectionRef] = field(default_factory=dict)  # per-micro-batch var -> its section
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shared parameter -> stages reading it
     replicated: dict[int, str] = field(default_factory=dict)  # user op index -> why every stage runs it
-    micro_batch_size: int | None = None
-    notes: list[str] = field(default_factory=list)
+    exchanges: tuple[Exchange, ...] = ()  # once-per-step messages of the optimize sections
+    micro_batch_size: int | None = None  # compiled at rewrite time; None: fixed by the first batch
+    notes: tuple[str, ...] = ()
     dp_degree: int = 1  # data-parallel replicas of the whole pipeline (one process per stage rank each)
 
     @property
@@ -153,15 +214,22 @@ class Plan:
         """Stages whose state holds persistable ``name``."""
         return [s.index for s in self.stages if name in s.persistables]
 
-    def bind_micro_batch_size(self, micro_batch_size: int) -> None:
-        """Fix the micro-batch dimension of every cut variable (once; later batches must match)."""
-        if self.micro_batch_size is None:
-            self.micro_batch_size = micro_batch_size
-        elif self.micro_batch_size != micro_batch_size:
-            raise ValueError(
-                f"micro-batch size {micro_batch_size} differs from the plan's compiled micro-batch size "
-                f"{self.micro_batch_size} (global batch {self.micro_batch_size * self.num_microbatches} "
-                f"with num_microbatches={self.num_microbatches}); every batch must have the same size")
+    def stages_of_process(self, world: tuple[int, int] | None) -> list[Stage]:
+        """The stages the process ``world`` = (rank, size) of a launched job runs; every stage for None
+        (one process)."""
+        pipeline = len(self.ranks)
+        if world is None:
+            if self.dp_degree > 1:
+                raise ValueError(f"dp_degree={self.dp_degree} runs one process per device and replica: launch "
+                                 f"{self.dp_degree * pipeline} processes (python -m staticpipe.launch --nprocs "
+                                 f"{self.dp_degree * pipeline} script.py)")
+            return list(self.stages)
+        rank, size = world
+        if size != self.dp_degree * pipeline:
+            replicas = f" x dp_degree {self.dp_degree}" if self.dp_degree > 1 else ""
+            raise ValueError(f"the job has {size} processes but the plan has {pipeline} devices {list(self.ranks)}"
+                             f"{replicas}; launch {self.dp_degree * pipeline} processes (one per device{replicas})")
+        return [s for s in self.stages if s.rank == rank % pipeline]
 
     def __str__(self) -> str:
         mbs = self.micro_batch_size
@@ -187,8 +255,10 @@ class Plan:
             others = ", ".join(str(s) for s in stages[1:])
             lines.append(f"    {name}: owner stage {stages[0]}; stage(s) {others} accumulate their partial "
                          f"gradients, send the sum once per step, and receive the new value after the update")
-        for note in self.notes:
-            lines.append(f"  note: {note}")
+        if self.exchanges:
+            lines.append("  exchanges of the optimize sections (once per step):")
+            lines += [f"    {ex}" for ex in self.exchanges]
+        lines += [f"  note: {note}" for note in self.notes]
         lines.append(f"  actions ({self.schedule}):")
         for rank, acts in sorted(self.actions.items()):
             lines.append(f"    rank {rank} ({self.ranks[rank]}): {' '.join(str(a) for a in acts)}")
@@ -196,6 +266,7 @@ class Plan:
 
 
 PLAN_ATTR = "_staticpipe_plan"  # the attribute PipelineOptimizer.minimize sets on main and startup programs
+STARTUP_ATTR = "_staticpipe_is_startup"
 
 
 def plan_of(program: "paddle.static.Program") -> Plan | None:
@@ -203,9 +274,29 @@ def plan_of(program: "paddle.static.Program") -> Plan | None:
     return getattr(program, PLAN_ATTR, None)
 
 
-def attach_plan(plan: Plan, main: "paddle.static.Program", startup: "paddle.static.Program") -> None:
-    """Attach ``plan`` to its main and startup programs; the mark on the startup program is how
+def require_plan(program: "paddle.static.Program", what: str) -> Plan:
+    """The plan of ``program``; ``ValueError`` naming ``what`` needed it when the program has none."""
+    plan = plan_of(program)
+    if plan is None:
+        raise ValueError(f"{what} needs a program rewritten by staticpipe.PipelineOptimizer.minimize; this "
+                         "program has no pipeline plan")
+    return plan
+
+
+def is_startup(program: "paddle.static.Program") -> bool:
+    """Whether ``program`` is the startup program of a plan (``Executor.run`` initialises the stages)."""
+    return getattr(program, STARTUP_ATTR, False)
+
+
+def attach_plan(plan: Plan, main: "paddle.static.Program", startup: "paddle.static.Program | None" = None) -> None:
+    """Attach ``plan`` to its main program, and to its startup program, whose mark is how
     ``Executor.run`` knows to initialise the stages rather than train."""
     setattr(main, PLAN_ATTR, plan)
-    setattr(startup, PLAN_ATTR, plan)
-    startup._staticpipe_is_startup = True
+    if startup is not None:
+        setattr(startup, PLAN_ATTR, plan)
+        setattr(startup, STARTUP_ATTR, True)
+
+
+__all__ = ["Plan", "Stage", "Section", "Run", "Route", "Exchange", "CutVar", "SectionRef", "plan_of", "require_plan",
+           "attach_plan", "is_startup", "FORWARD", "BACKWARD", "WEIGHT", "OPTIMIZE", "INIT", "PER_MICROBATCH",
+           "FORWARD_ONLY", "SEND", "SUM"]

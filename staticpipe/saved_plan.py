@@ -21,17 +21,17 @@ import json
 import os
 import pickle
 from dataclasses import fields
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ._paddle import framework, paddle
 from .checkpoint import atomic_directory, recover_directory
-from .plan import CutVar, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of
-from .runtime.distributed import launched_world
-from .runtime.executor import stages_of_process
+from .placement import launched_world
+from .plan import CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of, require_plan
+from .rewrite import section_runs
 from .schedule import format_schedule, lower, parse_schedule
 from .schedule.actions import COMM_KINDS, Schedule
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: exchanges of the optimize sections
 PLAN_FILE, MAIN_FILE, STARTUP_FILE, SCHEDULER_FILE = "plan.json", "main.pdmodel", "startup.pdmodel", "lr_scheduler.pkl"
 
 
@@ -53,10 +53,7 @@ def save_plan(program: framework.Program, directory: str,
     ``state_dict`` holds the progress only). Loading needs its class importable: Paddle's own schedulers
     always are. As with checkpoints, load only directories you trust.
     """
-    plan = plan_of(program)
-    if plan is None:
-        raise ValueError("save_plan needs a program rewritten by staticpipe.PipelineOptimizer.minimize; this "
-                         "program has no pipeline plan")
+    plan = require_plan(program, "save_plan")
     startup = startup_program or paddle.static.default_startup_program()
     if plan_of(startup) is not plan:
         raise ValueError("startup_program is not the startup program of this plan: pass the startup program "
@@ -107,8 +104,9 @@ def _encode_plan(plan: Plan) -> dict[str, Any]:
     data = _fields(plan)
     data.update(
         stages=[{**_fields(st, skip=("sections",)),
-                 "sections": {kind: _fields(sec, skip=("program",)) for kind, sec in st.sections.items()}}
+                 "sections": {kind: _fields(sec, skip=("program", "runs")) for kind, sec in st.sections.items()}}
                 for st in plan.stages],
+        exchanges=[{**_fields(ex, skip=("vars",)), "vars": [_fields(v) for v in ex.vars]} for ex in plan.exchanges],
         routes=[{"index": r.index, "src": _fields(r.src), "dst": _fields(r.dst), "vars": [_fields(v) for v in r.vars]}
                 for r in plan.routes],
         actions=format_schedule(plan.actions).splitlines(),
@@ -133,10 +131,10 @@ def load_plan(directory: str, stages: Iterable[int] | None = None
         raise FileNotFoundError(f"no saved plan at {directory!r}: the directory does not exist")
     plan_file = _existing(directory, PLAN_FILE, "the plan written by staticpipe.save_plan")
     description = _read_description(plan_file)
-    plan = _decode_plan(description["plan"], plan_file)
-    for s in _stages_to_load(plan, stages, plan_file):
-        for kind, section in plan.stages[s].sections.items():
-            section.program = _read_program(directory, section_file(s, kind), f"the stage {s} {kind} section")
+    # a plan is immutable: the stages to load are found on a plan without programs, then it is built whole
+    wanted = set(_stages_to_load(_decode_plan(description["plan"], plan_file), stages, plan_file))
+    plan = _decode_plan(description["plan"], plan_file, lambda s, kind: _read_program(
+        directory, section_file(s, kind), f"the stage {s} {kind} section") if s in wanted else None)
     main = _read_program(directory, MAIN_FILE, "the main program")
     startup = _read_program(directory, STARTUP_FILE, "the startup program")
     main.random_seed = description["random_seeds"]["main"]
@@ -189,7 +187,7 @@ def _stages_to_load(plan: Plan, stages: Iterable[int] | None, plan_file: str) ->
 
 def _stages_of_rank(plan: Plan, world: tuple[int, int], plan_file: str) -> list[int]:
     try:
-        return [s.index for s in stages_of_process(plan, world)]
+        return [s.index for s in plan.stages_of_process(world)]
     except ValueError as exc:
         raise ValueError(f"{plan_file!r} does not fit this job: {exc}") from None
 
@@ -199,14 +197,20 @@ def _tuples(data: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
-def _decode_plan(data: dict[str, Any], plan_file: str) -> Plan:
-    """The plan ``_encode_plan`` wrote, with no section program loaded yet."""
+def _decode_plan(data: dict[str, Any], plan_file: str,
+                 read: Callable[[int, str], framework.Program | None] = lambda stage, kind: None) -> Plan:
+    """The plan ``_encode_plan`` wrote, with the section programs ``read(stage, kind)`` gives (None:
+    another process runs that stage)."""
     try:
-        routes = [Route(r["index"], SectionRef(**r["src"]), SectionRef(**r["dst"]),
-                        tuple(CutVar(**_tuples(v)) for v in r["vars"])) for r in data["routes"]]
+        routes = tuple(Route(r["index"], SectionRef(**r["src"]), SectionRef(**r["dst"]),
+                             tuple(CutVar(**_tuples(v)) for v in r["vars"])) for r in data["routes"])
         decoded = dict(
-            stages=[_decode_stage(st) for st in data["stages"]],
+            stages=tuple(_decode_stage(st, read) for st in data["stages"]),
             routes=routes,
+            exchanges=tuple(Exchange(**_tuples({k: v for k, v in ex.items() if k != "vars"}),
+                                     vars=tuple(CutVar(**_tuples(v)) for v in ex["vars"])) for ex in data["exchanges"]),
+            ranks=tuple(data["ranks"]),
+            notes=tuple(data["notes"]),
             actions=_decode_actions(data["actions"], routes, plan_file),
             producers={name: SectionRef(**ref) for name, ref in data["producers"].items()},
             data_vars={name: tuple(stages) for name, stages in data["data_vars"].items()},
@@ -219,8 +223,13 @@ def _decode_plan(data: dict[str, Any], plan_file: str) -> Plan:
         raise ValueError(f"{plan_file!r} lacks the plan field {exc}") from None
 
 
-def _decode_stage(data: dict[str, Any]) -> Stage:
-    sections = {kind: Section(program=None, **_tuples(sec)) for kind, sec in data["sections"].items()}
+def _decode_stage(data: dict[str, Any], read: Callable[[int, str], framework.Program | None]) -> Stage:
+    sections = {}
+    for kind, sec in data["sections"].items():
+        fields_ = _tuples(sec)
+        program = read(data["index"], kind)
+        runs = () if program is None else section_runs(program, kind, fields_["keep"])
+        sections[kind] = Section(program=program, runs=runs, **fields_)
     return Stage(**_tuples({k: v for k, v in data.items() if k != "sections"}), sections=sections)
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._paddle import framework, np, paddle
-from .plan import Plan, plan_of
-from .runtime.executor import Executor
+from .plan import Plan, require_plan
+from .executor import Executor
 
 
 @dataclass
@@ -116,9 +116,7 @@ def verify(program: framework.Program, loader: Any, startup_program: framework.P
     projection's bias, say) gets rounding noise of the size of eps, which both runs turn into different
     updates of up to the learning rate. Such coordinates show up as mismatches that are not bugs.
     """
-    plan = plan_of(program)
-    if plan is None:
-        raise ValueError("verify needs a program rewritten by staticpipe.PipelineOptimizer.minimize")
+    plan = require_plan(program, "verify")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     batches = list(itertools.islice(loader.epoch() if hasattr(loader, "epoch") else iter(loader), steps))

@@ -20,7 +20,6 @@ from pipeline_util import minimize
 
 import staticpipe
 from staticpipe._paddle import paddle
-from staticpipe.runtime.executor import stages_of_process
 
 pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,7 +150,7 @@ def test_data_parallel_plans_need_one_process_per_device_and_replica():
     assert str(err.value) == ("dp_degree=2 runs one process per device and replica: launch 4 processes "
                               "(python -m staticpipe.launch --nprocs 4 script.py)")
     with pytest.raises(ValueError) as err:
-        stages_of_process(staticpipe.plan_of(net.main), (0, 2))
+        staticpipe.plan_of(net.main).stages_of_process((0, 2))
     assert str(err.value) == ("the job has 2 processes but the plan has 2 devices ['gpu:0', 'gpu:1'] x dp_degree 2; "
                               "launch 4 processes (one per device x dp_degree 2)")
     with pytest.raises(ValueError, match=r"^dp_degree must be an integer >= 1, got 0$"):

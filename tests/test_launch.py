@@ -17,7 +17,7 @@ from test_distributed import REPO, assert_equal_states, run, states
 
 from staticpipe._paddle import core
 from staticpipe.launch import free_ports, rank_environments
-from staticpipe.runtime.places import place_of
+from staticpipe.placement import place_of
 
 pytestmark = pytest.mark.timeout(300)
 JOB = dict(MODEL="mlp", STAGES="2", SCHED="1F1B")

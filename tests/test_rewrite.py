@@ -218,7 +218,7 @@ def test_program_without_guards_is_one_stage_on_gpu0():
     assert {a.stage[i] for i, role in enumerate(a.role) if role in ("forward", "backward")} == {0}
     plan = net.plan
     assert plan.devices == ["gpu:0"]
-    assert plan.routes == []
+    assert plan.routes == ()
     assert plan.data_vars == {"features": (0,), "label": (0,)}
     assert " ".join(map(str, plan.actions[0])) == "0F0 0B0 0F1 0B1 0F2 0B2 0OPT"
     for sec in plan.stages[0].sections.values():

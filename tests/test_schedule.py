@@ -1,22 +1,18 @@
-"""staticpipe.schedule: F-then-B and 1F1B action lists, the registry, and lowering with SEND/RECV actions."""
+"""Schedule generators (F-then-B, 1F1B, interleaved, ZB-H1, ZB-V): exact lists, invariants, and the registry."""
 from __future__ import annotations
 
 import re
 
 import pytest
 
-from staticpipe.plan import BACKWARD, FORWARD, CutVar, Route, SectionRef
-from staticpipe.schedule import (Action, Kind, canonical_name, check_microbatches, f_then_b, format_schedule,
-                                 get_kind, lower, make_schedule, one_f_one_b)
+from schedule_util import as_strings, rank_peak
+from staticpipe.schedule import (Action, Kind, canonical_name, check_microbatches, f_then_b, get_kind, interleaved,
+                                 make_schedule, one_f_one_b)
 
 pytestmark = pytest.mark.timeout(120)
 
 KNOWN = ("F-then-B (aliases FThenB, GPipe), 1F1B, interleaved (aliases Interleaved1F1B, interleaved-1F1B), "
          "ZB-H1, ZB-V")
-
-
-def as_strings(schedule):
-    return {s: " ".join(map(str, acts)) for s, acts in schedule.items()}
 
 
 # ----------------------------------------------------------------------------- exact compute lists
@@ -110,16 +106,6 @@ def test_one_f_one_b_with_fewer_microbatches_than_stages():
     assert [got[s] == ftb[s] for s in range(4)] == [True, True, True, False]
 
 
-def test_action_objects_and_format():
-    sched = one_f_one_b(2, 2)
-    assert sched[0] == [Action(Kind.F, 0, 0), Action(Kind.F, 0, 1), Action(Kind.B, 0, 0), Action(Kind.B, 0, 1),
-                        Action(Kind.OPT, 0)]
-    assert sched[0][-1].microbatch is None
-    assert format_schedule(sched) == "rank 0: 0F0 0F1 0B0 0B1 0OPT\nrank 1: 1F0 1B0 1F1 1B1 1OPT"
-    assert str(Action(Kind.SEND, 2, 5, route=3, peer=1, channel="B")) == "2SEND_B5>1"
-    assert str(Action(Kind.RECV, 1, 0, route=0, peer=0, channel="FB")) == "1RECV_FB0<0"
-
-
 # ----------------------------------------------------------------------------- invariants
 
 def in_flight_profile(actions):
@@ -158,6 +144,83 @@ def test_schedule_invariants(name):
                     assert peak == min(p - s, m), (p, m, s)
                 else:
                     assert peak == m, (p, m, s)
+
+
+# ----------------------------------------------------------------------------- interleaved 1F1B
+
+INTERLEAVED_P2_V2_M4 = {
+    0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3 0OPT 2OPT",
+    1: "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3 1OPT 3OPT",
+}
+
+
+def test_interleaved_exact_p2_v2_m4():
+    assert as_strings(interleaved(2, 4, 2)) == INTERLEAVED_P2_V2_M4
+    assert as_strings(make_schedule("Interleaved1F1B", 2, 4, 2)) == INTERLEAVED_P2_V2_M4
+
+
+def megatron_order(p, m, v, r):
+    """Megatron-LM's order written as nested loops: groups of p micro-batches, chunk by chunk."""
+    forward = [(c * p + r, g * p + i) for g in range(m // p) for c in range(v) for i in range(p)]
+    backward = [(c * p + r, g * p + i) for g in range(m // p) for c in reversed(range(v)) for i in range(p)]
+    warmup = min((p - r - 1) * 2 + (v - 1) * p, m * v) if v > 1 else min(p - r - 1, m)
+    acts = [f"{s}F{mb}" for s, mb in forward[:warmup]]
+    for (fs, fm), (bs, bm) in zip(forward[warmup:], backward):
+        acts += [f"{fs}F{fm}", f"{bs}B{bm}"]
+    acts += [f"{s}B{mb}" for s, mb in backward[len(forward) - warmup:]]
+    return " ".join(acts + [f"{c * p + r}OPT" for c in range(v)])
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (2, 3), (3, 2), (4, 2), (4, 3)])
+def test_interleaved_matches_megatron_order(p, v):
+    assert megatron_order(2, 4, 2, 0) == INTERLEAVED_P2_V2_M4[0]
+    for m in (p, 2 * p, 3 * p):
+        assert as_strings(interleaved(p, m, v)) == {r: megatron_order(p, m, v, r) for r in range(p)}
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_interleaved_with_one_chunk_is_1f1b(p):
+    for m in (p, 2 * p, 3 * p):
+        assert make_schedule("interleaved", p, m, 1) == one_f_one_b(p, m) == make_schedule("1F1B", p, m)
+
+
+# ----------------------------------------------------------------------------- zero bubble
+
+ZB_H1_P4_M8 = {  # the paper's ZB-H1 shape: stage s delays its first W by s backwards, then F B W
+    0: "0F0 0F1 0F2 0F3 0B0 0W0 0F4 0B1 0W1 0F5 0B2 0W2 0F6 0B3 0W3 0F7 0B4 0W4 0B5 0W5 0B6 0W6 0B7 0W7 0OPT",
+    1: "1F0 1F1 1F2 1B0 1F3 1B1 1W0 1F4 1B2 1W1 1F5 1B3 1W2 1F6 1B4 1W3 1F7 1B5 1W4 1B6 1W5 1B7 1W6 1W7 1OPT",
+    2: "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2W0 2F4 2B3 2W1 2F5 2B4 2W2 2F6 2B5 2W3 2F7 2B6 2W4 2B7 2W5 2W6 2W7 2OPT",
+    3: "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3F4 3B4 3W1 3F5 3B5 3W2 3F6 3B6 3W3 3F7 3B7 3W4 3W5 3W6 3W7 3OPT",
+}
+
+ZB_V_P2_M4 = {
+    0: "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 0B0 0W0 0F3 0B1 3W1 3F2 3B2 0W1 3W2 0B2 0W2 3F3 3B3 3W3 0B3 0W3 "
+       "0OPT 3OPT",
+    1: "1F0 2F0 1F1 2F1 2B0 1B0 2W0 1F2 2B1 1B1 1W0 2F2 2W1 1F3 2B2 1B2 1W1 2F3 2W2 1W2 2B3 1B3 2W3 1W3 "
+       "1OPT 2OPT",
+}
+
+
+def test_zero_bubble_exact():
+    assert as_strings(make_schedule("ZB-H1", 4, 8)) == ZB_H1_P4_M8
+    assert as_strings(make_schedule("ZB-V", 2, 4, 2)) == ZB_V_P2_M4
+
+
+@pytest.mark.parametrize("name, v", [("ZB-H1", 1), ("ZB-V", 2)])
+def test_zero_bubble_memory_stays_at_1f1b_peak(name, v):
+    """No rank holds more than 1F1B's first stage: p micro-batches of a whole rank's layers."""
+    for p in range(1, 5):
+        for m in range(1, 3 * p + 1):
+            sched = make_schedule(name, p, m, v)
+            assert all(rank_peak(acts) <= min(p, m) * v for acts in sched.values()), (p, m)
+            for acts in sched.values():  # each stage keeps 1F1B's warm-up limit between F and B
+                for s in {a.stage for a in acts}:
+                    live, peak = set(), 0
+                    for a in acts:
+                        if a.stage == s and a.kind in (Kind.F, Kind.B):
+                            (live.add if a.kind is Kind.F else live.discard)(a.microbatch)
+                            peak = max(peak, len(live))
+                    assert peak <= p * v - s, (p, m, s)
 
 
 # ----------------------------------------------------------------------------- registry
@@ -200,156 +263,37 @@ def test_check_microbatches_returns_value():
     assert check_microbatches(7) == 7
 
 
-# ----------------------------------------------------------------------------- lowering
-
-def cut(name):
-    return (CutVar(name, (-1, 8), "float32", True),)
+def layout(name, p, v):
+    return get_kind(name).layout(p, v)
 
 
-def route(index, src_stage, src_kind, dst_stage, dst_kind, name):
-    return Route(index, SectionRef(src_stage, src_kind), SectionRef(dst_stage, dst_kind), cut(name))
+def test_kinds():
+    assert [(k.name, k.split_backward, k.chunks) for k in map(get_kind, ["GPipe", "1F1B", "interleaved", "ZB-H1",
+                                                                        "ZB-V"])] == [
+        ("F-then-B", False, 1), ("1F1B", False, 1), ("interleaved", False, None), ("ZB-H1", True, 1),
+        ("ZB-V", True, 2)]
+    assert layout("1F1B", 4, 1) == [0, 1, 2, 3]
+    assert layout("interleaved", 2, 3) == [0, 1, 0, 1, 0, 1]
+    assert layout("ZB-V", 3, 2) == [0, 1, 2, 2, 1, 0]
 
 
-def chain_routes(p):
-    routes = [route(s, s, FORWARD, s + 1, FORWARD, f"h{s}") for s in range(p - 1)]
-    routes += [route(p - 1 + k, s + 1, BACKWARD, s, BACKWARD, f"h{s}@GRAD")
-               for k, s in enumerate(reversed(range(p - 1)))]
-    return routes
-
-
-def test_lower_two_stages_one_f_one_b_exact():
-    routes = chain_routes(2)
-    assert [(r.index, r.channel) for r in routes] == [(0, "F"), (1, "B")]
-    lowered = lower(one_f_one_b(2, 3), routes)
-    assert as_strings(lowered) == {
-        0: "0F0 0SEND_F0>1 0F1 0SEND_F1>1 0RECV_B0<1 0B0 0F2 0SEND_F2>1 0RECV_B1<1 0B1 0RECV_B2<1 0B2 0OPT",
-        1: "1RECV_F0<0 1F0 1B0 1SEND_B0>0 1RECV_F1<0 1F1 1B1 1SEND_B1>0 1RECV_F2<0 1F2 1B2 1SEND_B2>0 1OPT",
-    }
-    assert lowered[0][1] == Action(Kind.SEND, 0, 0, route=0, peer=1, channel="F")
-    assert lowered[0][4] == Action(Kind.RECV, 0, 0, route=1, peer=1, channel="B")
-    assert lowered[1][0] == Action(Kind.RECV, 1, 0, route=0, peer=0, channel="F")
-    assert lowered[1][3] == Action(Kind.SEND, 1, 0, route=1, peer=0, channel="B")
-
-
-def test_lower_two_stages_f_then_b_exact():
-    lowered = lower(f_then_b(2, 3), chain_routes(2))
-    assert as_strings(lowered) == {
-        0: "0F0 0SEND_F0>1 0F1 0SEND_F1>1 0F2 0SEND_F2>1 0RECV_B0<1 0B0 0RECV_B1<1 0B1 0RECV_B2<1 0B2 0OPT",
-        1: "1RECV_F0<0 1F0 1RECV_F1<0 1F1 1RECV_F2<0 1F2 1B0 1SEND_B0>0 1B1 1SEND_B1>0 1B2 1SEND_B2>0 1OPT",
-    }
-
-
-def test_lower_without_routes_is_identity():
-    sched = one_f_one_b(3, 4)
-    assert lower(sched, []) == sched
-
-
-def skip_routes():
-    """3 stages; route 1 carries a stage-0 forward value straight to stage 2's forward."""
-    return [
-        route(0, 0, FORWARD, 1, FORWARD, "a"),
-        route(1, 0, FORWARD, 2, FORWARD, "a"),
-        route(2, 1, FORWARD, 2, FORWARD, "b"),
-        route(3, 2, BACKWARD, 1, BACKWARD, "b@GRAD"),
-        route(4, 2, BACKWARD, 0, BACKWARD, "a@GRAD@RENAME@block0@0"),
-        route(5, 1, BACKWARD, 0, BACKWARD, "a@GRAD@RENAME@block0@1"),
-    ]
-
-
-def test_lower_three_stages_with_skip_route():
-    lowered = lower(one_f_one_b(3, 2), skip_routes())
-    assert as_strings(lowered) == {
-        0: "0F0 0SEND_F0>1 0SEND_F0>2 0F1 0SEND_F1>1 0SEND_F1>2 "
-           "0RECV_B0<2 0RECV_B0<1 0B0 0RECV_B1<2 0RECV_B1<1 0B1 0OPT",
-        1: "1RECV_F0<0 1F0 1SEND_F0>2 1RECV_F1<0 1F1 1SEND_F1>2 "
-           "1RECV_B0<2 1B0 1SEND_B0>0 1RECV_B1<2 1B1 1SEND_B1>0 1OPT",
-        2: "2RECV_F0<0 2RECV_F0<1 2F0 2B0 2SEND_B0>1 2SEND_B0>0 "
-           "2RECV_F1<0 2RECV_F1<1 2F1 2B1 2SEND_B1>1 2SEND_B1>0 2OPT",
-    }
-    # on stage 2 every forward is preceded by its RECVs in route order: the skip route first
-    acts = lowered[2]
-    for i, a in enumerate(acts):
-        if a.kind is Kind.F:
-            assert [(b.kind, b.route, b.peer, b.microbatch) for b in acts[i - 2:i]] == [
-                (Kind.RECV, 1, 0, a.microbatch), (Kind.RECV, 2, 1, a.microbatch)]
-
-
-def test_lower_forward_to_backward_route():
-    routes = chain_routes(2) + [route(2, 0, FORWARD, 1, BACKWARD, "x_kept")]
-    assert routes[2].channel == "FB"
-    lowered = lower(f_then_b(2, 2), routes)
-    assert as_strings(lowered) == {
-        0: "0F0 0SEND_F0>1 0SEND_FB0>1 0F1 0SEND_F1>1 0SEND_FB1>1 0RECV_B0<1 0B0 0RECV_B1<1 0B1 0OPT",
-        1: "1RECV_F0<0 1F0 1RECV_F1<0 1F1 1RECV_FB0<0 1B0 1SEND_B0>0 1RECV_FB1<0 1B1 1SEND_B1>0 1OPT",
-    }
-
-
-# ----------------------------------------------------------------------------- deadlock freedom
-
-class Deadlock(Exception):
-    pass
-
-
-def simulate(lowered):
-    """Run every stage's list in order; a RECV waits for the SEND of the same (route, micro-batch);
-    SENDs never block. Return the global execution order, or raise Deadlock."""
-    ptr = {s: 0 for s in lowered}
-    sent, received, order = set(), set(), []
-    while any(ptr[s] < len(lowered[s]) for s in lowered):
-        progress = False
-        for s, acts in sorted(lowered.items()):
-            while ptr[s] < len(acts):
-                a = acts[ptr[s]]
-                key = (a.route, a.microbatch)
-                if a.kind is Kind.RECV:
-                    if key not in sent:
-                        break
-                    assert key not in received, f"{a} received twice"
-                    received.add(key)
-                elif a.kind is Kind.SEND:
-                    assert key not in sent, f"{a} sent twice"
-                    sent.add(key)
-                order.append(a)
-                ptr[s] += 1
-                progress = True
-        if not progress:
-            raise Deadlock({s: str(lowered[s][ptr[s]]) for s in lowered if ptr[s] < len(lowered[s])})
-    assert sent == received, "every message sent must be received"
-    return order
-
-
-def all_pairs_routes(p):
-    """Chain routes plus every skip: forward s -> t, backward t -> s, and forward s -> backward t."""
-    pairs = [(SectionRef(s, FORWARD), SectionRef(t, FORWARD)) for s in range(p) for t in range(s + 1, p)]
-    pairs += [(SectionRef(t, BACKWARD), SectionRef(s, BACKWARD)) for s in range(p) for t in range(s + 1, p)]
-    pairs += [(SectionRef(s, FORWARD), SectionRef(t, BACKWARD)) for s in range(p) for t in range(s + 1, p)]
-    pairs.sort(key=lambda sd: (sd[0].order(p), sd[1].order(p)))
-    return [Route(k, src, dst, cut(f"v{k}")) for k, (src, dst) in enumerate(pairs)]
-
-
-@pytest.mark.parametrize("name", ["F-then-B", "1F1B"])
-@pytest.mark.parametrize("make_routes", [chain_routes, all_pairs_routes], ids=["chain", "all-pairs"])
-def test_lowered_schedules_never_deadlock(name, make_routes):
-    for p in range(2, 5):
-        routes = make_routes(p)
-        for m in range(1, 7):
-            lowered = lower(make_schedule(name, p, m), routes)
-            order = simulate(lowered)
-            assert len(order) == sum(len(v) for v in lowered.values())
-            # one SEND and one RECV per route and micro-batch
-            for k in (Kind.SEND, Kind.RECV):
-                assert sorted((a.route, a.microbatch) for a in order if a.kind is k) == sorted(
-                    (r.index, i) for r in routes for i in range(m))
-            # compute respects each micro-batch's path F0 < F1 < ... < B1 < B0
-            done = [(a.stage, a.kind, a.microbatch) for a in order if a.kind in (Kind.F, Kind.B)]
-            for i in range(m):
-                path = [(s, Kind.F, i) for s in range(p)] + [(s, Kind.B, i) for s in reversed(range(p))]
-                assert sorted(path, key=done.index) == path
-
-
-def test_simulator_detects_a_deadlock():
-    # stage 0 tries to run a backward before its forward: it waits on stage 1, which waits on stage 0
-    bad = {0: [Action(Kind.B, 0, 0), Action(Kind.F, 0, 0), Action(Kind.OPT, 0)],
-           1: [Action(Kind.F, 1, 0), Action(Kind.B, 1, 0), Action(Kind.OPT, 1)]}
-    with pytest.raises(Deadlock):
-        simulate(lower(bad, chain_routes(2)))
+@pytest.mark.parametrize("name, p, m, v, message", [
+    ("ZB-V", 3, 4, 1, "schedule ZB-V needs 2 chunks per device (stages = 2 x devices); "
+                      "the program has 3 stages on 3 devices"),
+    ("ZB-V", 2, 4, 3, "schedule ZB-V needs 2 chunks per device (stages = 2 x devices); "
+                      "the program has 6 stages on 2 devices"),
+    ("1F1B", 2, 4, 2, "schedule 1F1B needs 1 chunk per device (stages = devices); "
+                      "the program has 4 stages on 2 devices"),
+    ("ZB-H1", 2, 4, 2, "schedule ZB-H1 needs 1 chunk per device (stages = devices); "
+                       "the program has 4 stages on 2 devices"),
+    ("interleaved", 2, 5, 2, "interleaved 1F1B needs num_microbatches to be a multiple of the number of "
+                             "devices (2); got 5: use 4 or 6"),
+    ("interleaved", 4, 2, 2, "interleaved 1F1B needs num_microbatches to be a multiple of the number of "
+                             "devices (4); got 2: use 4"),
+    ("1F1B", 0, 4, 1, "num_ranks must be an integer >= 1, got 0"),
+    ("interleaved", 2, 4, 0, "num_chunks must be an integer >= 1, got 0"),
+    ("1F1B", 2, 0, 1, "num_microbatches must be an integer >= 1, got 0"),
+])
+def test_make_schedule_constraints(name, p, m, v, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make_schedule(name, p, m, v)

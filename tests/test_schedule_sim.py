@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from staticpipe.plan import BACKWARD, FORWARD, CutVar, Route, SectionRef
+from schedule_util import chain_routes
 from staticpipe.schedule import (Action, Kind, ScheduleError, lower, make_schedule, parse_action, schedule_from_json,
                                  simulate)
 from staticpipe.schedule.__main__ import main
@@ -24,13 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 def idle(sim):
     """Rank-time left idle: the bubble in time units rather than as a fraction of the step."""
     return len(sim.busy) * sim.total - sum(sim.busy.values())
-
-
-def chain_routes(num_stages):
-    cut = (CutVar("h", (-1, 8), "float32", True),)
-    routes = [Route(s, SectionRef(s, FORWARD), SectionRef(s + 1, FORWARD), cut) for s in range(num_stages - 1)]
-    return routes + [Route(num_stages - 1 + k, SectionRef(s + 1, BACKWARD), SectionRef(s, BACKWARD), cut)
-                     for k, s in enumerate(reversed(range(num_stages - 1)))]
 
 
 # ----------------------------------------------------------------------------- known results

@@ -1,4 +1,4 @@
-"""Every schedule trains to the same parameters as single-device training; traced steps give timelines."""
+"""Every schedule, cost-aware plans too, trains like single-device training; traced steps give timelines."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,9 @@ import pytest
 import staticpipe
 from models import build_gpt, build_mlp, build_resnet
 from pipeline_util import assert_same_training, minimize, train_twins
+from schedule_util import HEAVY_MIDDLE
 from staticpipe._paddle import np, paddle
-from staticpipe.schedule import ScheduleError, format_schedule
+from staticpipe.schedule import Kind, ScheduleError, format_schedule
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -150,3 +151,45 @@ def test_traced_step_exports_a_timeline(tmp_path, capsys):
     assert not untraced.trace
     assert re.search(r"^step 2 timeline: step [\d.]+ s, bubble [\d.]+, schedule bound [\d.]+ s; busy rank 0: ",
                      capsys.readouterr().err, re.M)
+
+
+# ----------------------------------------------------------------------------- cost-aware plans
+
+def test_pipeline_optimizer_checks_schedule_costs():
+    opt = paddle.optimizer.SGD(0.1)
+    with pytest.raises(ValueError, match=re.escape("unknown action kind 'w' in schedule_costs; kinds: F, B, W")):
+        staticpipe.PipelineOptimizer(opt, 4, "ZB-H1", schedule_costs={"w": 0.5})
+    with pytest.raises(ValueError, match=re.escape("schedule_costs is for the schedules that plan by measured costs "
+                                                   "(ZB-H1, ZB-V); schedule interleaved does not use it")):
+        staticpipe.PipelineOptimizer(opt, 4, "interleaved", schedule_costs={"W": 0.5})
+    with pytest.raises(ValueError, match=re.escape("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V); "
+                                                   "a custom schedule gives its own order")):
+        staticpipe.PipelineOptimizer(opt, 1, "rank 0: 0F0 0B0 0OPT", schedule_costs={"W": 0.5})
+    net = build_mlp(num_stages=2)
+    with pytest.raises(ValueError, match=re.escape("schedule_costs['F'] has 3 values for 2 stages: [1, 1, 2]")):
+        minimize(net, opt, dict(num_microbatches=4, schedule="ZB-H1", schedule_costs={"F": [1, 1, 2]}))
+
+
+def test_cost_aware_plan_trains_like_one_device():
+    builder = partial(build_mlp, num_stages=3)
+    twin = train_twins(builder, momentum, num_microbatches=2, schedule="ZB-H1", schedule_costs=HEAVY_MIDDLE)
+    assert_same_training(twin)
+    net = builder()
+    minimize(net, momentum(), dict(num_microbatches=2, schedule="ZB-H1", schedule_costs=HEAVY_MIDDLE))
+    compute = {r: [a for a in acts if a.kind in (Kind.F, Kind.B, Kind.W)]
+               for r, acts in staticpipe.plan_of(net.main).actions.items()}
+    assert " ".join(map(str, compute[1])) == "1F0 1F1 1B0 1B1 1W0 1W1"  # the cost-aware order, not the unit one
+
+
+def test_timeline_stage_costs_plan_the_next_build():
+    net = build_mlp(num_stages=2)
+    minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-H1"))
+    exe = staticpipe.Executor(trace=True)
+    exe.run(net.startup)
+    exe.run(net.main, feed=net.random_batch(16))
+    costs = exe.timeline(net.main).stage_costs()
+    exe.close()
+    assert sorted(costs) == ["B", "F", "W"] and all(len(v) == 2 and min(v) > 0 for v in costs.values())
+    again = build_mlp(num_stages=2)
+    minimize(again, momentum(), dict(num_microbatches=4, schedule="ZB-H1", schedule_costs=costs))
+    assert staticpipe.plan_of(again.main).schedule == "ZB-H1"

@@ -50,7 +50,7 @@ def test_verify_catches_a_broken_plan():
     """Drop the gradient accumulation of one stage: the oracle must see the drift and name the state."""
     net = build_mlp(num_stages=2)
     minimize(net, paddle.optimizer.SGD(0.1), dict(num_microbatches=2))
-    backward = staticpipe.plan_of(net.main).stages[1].sections["backward"].program.global_block()
+    backward = staticpipe.plan_of(net.main).stages[1].sections["backward"].run.program.global_block()  # what runs
     idx = next(i for i, op in enumerate(backward.ops) if op.type == "sum" and op.output("Out")[0] == "fc_4.w_0@GRAD@MERGED")
     backward._remove_op(idx)
     report = staticpipe.verify(net.main, loader_of(net), net.startup, steps=2)

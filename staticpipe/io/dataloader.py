@@ -8,133 +8,17 @@ the pipeline executor feeds itself, while keeping Paddle's user-facing API (gene
 from __future__ import annotations
 
 import numbers
-import queue
-import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .._paddle import core, np, paddle
-
-Batch = dict[str, np.ndarray]
-# a queue item: ("samples", list of samples) to stack, or ("batch", one whole batch)
-_Item = tuple[str, Any]
+from .._paddle import core, paddle
+from .feed import Batch, FeedSpec, stack_samples
+from .prefetch import Item as _Item, Prefetcher
 
 _NOT_STARTED = "DataLoader is not started: call loader.start() before training (non-iterable mode)"
 _NO_SOURCE = (
     "DataLoader has no data source: call set_sample_generator, set_sample_list_generator "
     "or set_batch_generator first"
 )
-# numpy dtype kinds a feed variable's kind accepts without losing meaning (ints widen to floats, never back)
-_ACCEPTED_KINDS = {"f": "fiu", "i": "iu", "u": "iu", "c": "cfiu", "b": "b"}
-
-
-@dataclass(frozen=True)
-class FeedSpec:
-    """What one feed variable expects: ``-1`` in ``shape`` marks a dim that may be anything (the batch)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @classmethod
-    def from_variable(cls, var: Any) -> FeedSpec:
-        dtype = np.dtype(paddle.base.data_feeder.convert_dtype(var.dtype))
-        return cls(var.name, tuple(-1 if d is None else int(d) for d in var.shape), dtype)
-
-    def convert(self, value: Any) -> np.ndarray:
-        """Check ``value`` against the spec and return it as an array of the spec's dtype.
-
-        Checked here rather than left to Paddle so that the error names the variable and both shapes.
-        """
-        array = np.asarray(value)
-        if array.ndim != len(self.shape) or any(
-            want != -1 and want != got for want, got in zip(self.shape, array.shape)
-        ):
-            raise ValueError(
-                f"feed variable {self.name!r}: expected shape {list(self.shape)} (batch, ...), "
-                f"received shape {array.shape}"
-            )
-        if array.dtype.kind not in _ACCEPTED_KINDS.get(self.dtype.kind, self.dtype.kind):
-            raise ValueError(f"feed variable {self.name!r}: expected dtype {self.dtype}, received {array.dtype}")
-        return np.asarray(array, dtype=self.dtype)
-
-
-class _Failure:
-    """Carries an exception from the producer thread to the consumer."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-_END = object()
-
-
-class _Prefetcher:
-    """Runs a source of items on a daemon thread, up to ``capacity`` items ahead of the consumer.
-
-    Every blocking call polls a stop event, so ``close`` ends the producer promptly whatever the
-    consumer was doing, and a consumer never waits on a producer that has died.
-    """
-
-    _POLL_S = 0.05
-
-    def __init__(self, source: Callable[[], Iterable[_Item]], capacity: int) -> None:
-        self._queue: queue.Queue = queue.Queue(maxsize=capacity)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(
-            target=self._produce, args=(source,), name="staticpipe.io.DataLoader", daemon=True
-        )
-        self._thread.start()
-
-    def _put(self, item: object) -> bool:
-        """Queue ``item`` unless stopped first; return whether it was queued."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=self._POLL_S)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def _produce(self, source: Callable[[], Iterable[_Item]]) -> None:
-        items: Iterable[_Item] = ()
-        try:
-            items = source()
-            for item in items:
-                if not self._put(item):
-                    return
-            self._put(_END)
-        except Exception as e:  # handed to the consumer, which re-raises it with this traceback
-            e.add_note("(raised in the staticpipe DataLoader's generator, on its prefetch thread)")
-            self._put(_Failure(e))
-        finally:
-            close = getattr(items, "close", None)
-            if close is not None:  # run the user's generator cleanup when stopped early
-                close()
-
-    def get(self) -> _Item | None:
-        """Next item, ``None`` at the end (or once closed); re-raises the generator's exception."""
-        while not self._done and not self._stop.is_set():
-            try:
-                item = self._queue.get(timeout=self._POLL_S)
-            except queue.Empty:
-                if self._thread.is_alive() or not self._queue.empty():
-                    continue
-                break  # the producer died without a word
-            if item is _END:
-                break
-            if isinstance(item, _Failure):
-                self._done = True
-                raise item.error
-            return item
-        self._done = True
-        return None
-
-    def close(self, timeout: float) -> None:
-        """Stop the producer; a generator blocked inside ``next`` past ``timeout`` is left to exit alone."""
-        self._stop.set()
-        self._thread.join(timeout)
 
 
 class DataLoader:
@@ -176,7 +60,7 @@ class DataLoader:
         # drops whole batches itself (partial batches: see set_sample_generator's drop_last)
         self.drop_last = drop_last
         self._source: Callable[[], Iterable[_Item]] | None = None
-        self._prefetcher: _Prefetcher | None = None
+        self._prefetcher: Prefetcher | None = None
 
     @classmethod
     def from_generator(
@@ -255,7 +139,7 @@ class DataLoader:
 
     def _iterable_epoch(self) -> Iterator[Batch]:
         self.reset()  # started lazily, so an iterator never advanced holds no thread
-        prefetcher = self._prefetcher = _Prefetcher(self._source, self.capacity)
+        prefetcher = self._prefetcher = Prefetcher(self._source, self.capacity)
         try:
             while (item := prefetcher.get()) is not None:
                 yield self._to_batch(item)
@@ -282,7 +166,7 @@ class DataLoader:
             raise RuntimeError(_NO_SOURCE)
         if self._prefetcher is not None:
             raise RuntimeError("DataLoader is already started: call loader.reset() before loader.start() again")
-        self._prefetcher = _Prefetcher(self._source, self.capacity)
+        self._prefetcher = Prefetcher(self._source, self.capacity)
 
     def next_batch(self) -> Batch:
         """Next batch of the started epoch; raises ``core.EOFException`` at its end, as ``exe.run`` does."""
@@ -311,7 +195,7 @@ class DataLoader:
             if not payload:
                 raise ValueError("sample list generator yielded an empty list of samples")
             rows = [self._fields(sample, "sample") for sample in payload]
-            fields = [_stack(spec.name, [row[i] for row in rows]) for i, spec in enumerate(self._specs)]
+            fields = [stack_samples(spec.name, [row[i] for row in rows]) for i, spec in enumerate(self._specs)]
         return {spec.name: spec.convert(value) for spec, value in zip(self._specs, fields)}
 
     def _fields(self, item: Any, what: str) -> Sequence[Any]:
@@ -338,45 +222,3 @@ class DataLoader:
 def _check_reader(reader: Any) -> None:
     if not callable(reader):
         raise TypeError(f"reader must be a callable returning an iterator (e.g. a generator function), got {reader!r}")
-
-
-def _stack(name: str, values: list[Any]) -> np.ndarray:
-    arrays = [np.asarray(v) for v in values]
-    shapes = sorted({a.shape for a in arrays})
-    if len(shapes) > 1:
-        raise ValueError(f"feed variable {name!r}: samples of one batch have different shapes {shapes}")
-    return np.stack(arrays)
-
-
-def split_microbatches(batch: Batch, num_microbatches: int) -> list[Batch]:
-    """Split every array of ``batch`` along axis 0 into ``num_microbatches`` equal contiguous views.
-
-    Equal sizes because every microbatch runs the same compiled program, and the pipeline averages
-    their gradients with equal weights.
-    """
-    if not isinstance(num_microbatches, numbers.Integral) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    if not batch:
-        raise ValueError("cannot split an empty batch (no feed variables)")
-    arrays = {name: np.asarray(value) for name, value in batch.items()}
-    first, size = None, 0
-    for name, array in arrays.items():
-        if array.ndim == 0:
-            raise ValueError(f"feed variable {name!r} is a scalar; it has no batch dim to split")
-        if first is None:
-            first, size = name, array.shape[0]
-        elif array.shape[0] != size:
-            raise ValueError(
-                f"feed variables {first!r} and {name!r} have different batch sizes ({size} and {array.shape[0]})"
-            )
-    if size % num_microbatches:
-        lower, upper = size // num_microbatches * num_microbatches, (size // num_microbatches + 1) * num_microbatches
-        hint = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ValueError(
-            f"batch size {size} of feed variable {first!r} is not divisible by num_microbatches={num_microbatches}; "
-            f"use a batch size that is a multiple of {num_microbatches} (e.g. {hint})"
-        )
-    step = size // num_microbatches
-    return [
-        {name: array[i * step : (i + 1) * step] for name, array in arrays.items()} for i in range(num_microbatches)
-    ]

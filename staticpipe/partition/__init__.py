@@ -6,14 +6,16 @@ contiguous stages by a policy (uniform, params, time, memory) and writes each op
 ``PipelineOptimizer.minimize`` splits the program as if the user had written the guards.
 
     layers.py      which ops form a layer (name scopes, parameter owners, ops that must stay together)
-    profile.py     per-op measurements on the device -> Profile (table, CSV, JSON)
+    profile.py     per-op measurements on the device -> Profile
+    costs.py       Profile: per-op and per-layer costs, tables, CSV, JSON
     policies.py    where to cut: one exact dynamic program, four objectives; pure numpy
     auto_place.py  constraints (guards, split points), the cut, the op tags and the per-stage report
 """
 from .auto_place import POLICIES, Placement, StageReport, auto_place
 from .layers import Layer, group_layers
 from .policies import Constraints
-from .profile import LayerRow, OpRow, Profile, profile
+from .costs import LayerRow, OpRow, Profile
+from .profile import profile
 
 __all__ = ["auto_place", "Placement", "StageReport", "POLICIES", "profile", "Profile", "OpRow", "LayerRow",
            "Layer", "group_layers", "Constraints"]

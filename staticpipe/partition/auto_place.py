@@ -23,7 +23,8 @@ from ..schedule import Kind, check_microbatches, get_kind, make_schedule, simula
 from ..schedule.simulate import peak_inflight
 from . import policies
 from .layers import Layer, forward_ops, group_layers, marker_starts
-from .profile import Profile, profile as run_profile, static_bytes
+from .costs import Profile
+from .profile import profile as run_profile, static_bytes
 from .table import format_table, human_bytes
 
 POLICIES = ("uniform", "params", "time", "memory")

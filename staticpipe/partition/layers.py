@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from .._paddle import OP_DEVICE, framework
-from ..placement import SPLIT_POINTS
-from ..rewrite.programs import EMPTY_VAR
+from .._paddle import framework
+from ..ir import EMPTY_VAR
+from ..placement import SPLIT_POINTS, op_device
 from ..rewrite.stages import FWD, op_label, role_of
 
 ROOT_SCOPE = "/"
@@ -56,7 +56,7 @@ def group_layers(program: framework.Program, starts: Iterable[int] = ()) -> list
     fwd = forward_ops(program)
     params = {p.name for p in block.all_parameters()}
     forced = set(starts) | marker_starts(program, fwd)
-    forced |= {i for prev, i in zip(fwd, fwd[1:]) if _device(ops[i]) != _device(ops[prev])}
+    forced |= {i for prev, i in zip(fwd, fwd[1:]) if op_device(ops[i]) != op_device(ops[prev])}
     groups: list[list[int]] = []
     keys: list[object] = []
     for i in fwd:
@@ -92,10 +92,6 @@ def _key(op: framework.Operator, params: set[str]) -> object:
         return ("scope", scope)
     owners = frozenset(parameter_owner(n) for n in op.input_arg_names if n in params)
     return ("params", owners) if owners else None
-
-
-def _device(op: framework.Operator) -> str:
-    return op.attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
 
 
 def _name(ops: list, members: list[int], params: set[str]) -> str:

@@ -6,147 +6,26 @@ through the prepared-context executor (the one the pipeline's stage workers use,
 interpreter overhead is counted as it will be paid), on inputs produced by one full run of the program:
 the values are real, so data-dependent kernels (embedding lookups, losses) do real work.
 
-The backward: a gradient op belongs to the forward op whose gradient it computes, found by data flow as
-the rewrite finds its stage (``rewrite/stages.py``): the gradient of op O reads O's output gradients,
-so O is the latest forward producer among the variables whose gradients the op reads or writes. A
-program without backward ops is differentiated on a throw-away clone.
+The backward: a gradient op belongs to the forward op whose gradient it computes, found by the rule the
+rewrite finds its stage with (``rewrite.stages.latest_gradient_source``). A program without backward
+ops is differentiated on a throw-away clone.
 """
 from __future__ import annotations
 
-import csv
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
-from ..rewrite.programs import EMPTY_VAR, clear_device_tags, copy_ops
-from ..rewrite.stages import BWD, FWD, grad_base, op_label, role_of
-from ..runtime.places import generic_place, place_of
-from .layers import Layer, group_layers
-from .table import format_table, human_bytes
+from ..ir import arg_names, clear_device_tags, np_dtype, tensor_bytes
+from ..placement import generic_place, place_of
+from ..rewrite.programs import copy_ops
+from ..rewrite.stages import BWD, FWD, grad_base, latest_gradient_source, op_label, role_of
+from .costs import OpRow, Profile
+from .layers import group_layers
 
 LOSS_OP_TYPES = ("mean", "reduce_mean", "reduce_sum", "sum")  # what usually makes a loss scalar
-
-
-@dataclass
-class OpRow:
-    """One forward op. Times are medians of ``repeat`` runs, in seconds; bytes at the profiled batch."""
-
-    index: int  # in the program's global block
-    type: str
-    layer: int
-    forward_s: float
-    backward_s: float  # all gradient ops of this op together
-    param_bytes: int  # parameters the op reads
-    activation_bytes: int  # its non-persistable outputs
-    saved_bytes: int  # the part of them that backward ops read: held from forward to backward
-    flops: int  # forward, estimated; 0 where the op type has no estimate (see ``note``)
-    note: str = ""
-
-
-@dataclass
-class LayerRow:
-    """One layer (``layers.Layer``): sums over its ops; ``param_bytes`` counts each parameter once."""
-
-    index: int
-    name: str
-    ops: tuple[int, ...]
-    parameters: tuple[str, ...]
-    forward_s: float
-    backward_s: float
-    param_bytes: int
-    activation_bytes: int
-    saved_bytes: int
-    flops: int
-
-
-@dataclass
-class Profile:
-    device: str
-    batch_size: int
-    repeat: int
-    loss: str
-    ops: list[OpRow]
-    layers: list[LayerRow] = field(default_factory=list)
-    param_bytes: dict[str, int] = field(default_factory=dict)  # parameter -> bytes
-    var_bytes: dict[str, int] = field(default_factory=dict)  # forward activation -> bytes at the batch
-    notes: list[str] = field(default_factory=list)
-
-    def op(self, index: int) -> OpRow:
-        """The row of the op at ``index`` in the program; ``KeyError`` naming it if it has none."""
-        for row in self.ops:
-            if row.index == index:
-                return row
-        raise KeyError(f"op #{index} is not a profiled forward op")
-
-    def aggregate(self, layers: Iterable[Layer]) -> list[LayerRow]:
-        """Rows for any grouping of the profiled ops into layers (``auto_place`` groups with its cuts)."""
-        by_index = {row.index: row for row in self.ops}
-        rows = []
-        for layer in layers:
-            ops = [by_index[i] for i in layer.ops]
-            rows.append(LayerRow(layer.index, layer.name, layer.ops, layer.parameters,
-                                 sum(r.forward_s for r in ops), sum(r.backward_s for r in ops),
-                                 sum(self.param_bytes[p] for p in layer.parameters),
-                                 sum(r.activation_bytes for r in ops), sum(r.saved_bytes for r in ops),
-                                 sum(r.flops for r in ops)))
-        return rows
-
-    def check(self, program: framework.Program, forward: Iterable[int]) -> None:
-        """``ValueError`` unless this profile was taken on ``program`` (same forward ops, same types)."""
-        block = program.global_block()
-        by_index = {row.index: row for row in self.ops}
-        for i in forward:
-            row = by_index.get(i)
-            if row is None or row.type != block.ops[i].type:
-                raise ValueError(f"the profile does not match the program: {op_label(i, block.ops[i])} is "
-                                 f"{'not profiled' if row is None else f'profiled as {row.type!r}'}; "
-                                 "profile the program you place")
-
-    def table(self, level: str = "layers") -> str:
-        """The per-layer (``"layers"``) or per-op (``"ops"``) table with a total line."""
-        rows = _rows(self, level)
-        by_layer = level == "layers"
-
-        def cells(r: OpRow | LayerRow) -> list:
-            return [f"{r.forward_s * 1e3:.3f}", f"{r.backward_s * 1e3:.3f}", human_bytes(r.param_bytes),
-                    human_bytes(r.activation_bytes), human_bytes(r.saved_bytes), f"{r.flops / 1e6:.2f}"]
-
-        body = [[r.index, r.name, len(r.ops)] + cells(r) if by_layer else
-                [r.index, r.type, r.layer] + cells(r) + [r.note] for r in rows]
-        total = LayerRow(-1, "", (), (), sum(r.forward_s for r in rows), sum(r.backward_s for r in rows),
-                         sum(self.param_bytes.values()), sum(r.activation_bytes for r in rows),
-                         sum(r.saved_bytes for r in rows), sum(r.flops for r in rows))
-        body.append(["total", "", len(self.ops) if by_layer else ""] + cells(total) + ([] if by_layer else [""]))
-        headers = (["#", "layer", "ops"] if by_layer else ["#", "op", "layer"]) + [
-            "fwd ms", "bwd ms", "params", "activations", "saved", "MFLOP"] + ([] if by_layer else ["note"])
-        head = (f"Profile on {self.device}, batch {self.batch_size}, median of {self.repeat} runs, loss "
-                f"{self.loss}: {len(self.ops)} forward ops in {len(self.layers)} layers")
-        return "\n".join([head, format_table(headers, body)] + [f"note: {n}" for n in self.notes])
-
-    def __str__(self) -> str:
-        return self.table("layers")
-
-    def to_csv(self, path: str, level: str = "ops") -> None:
-        """One row per op (``level="ops"``) or per layer (``"layers"``), columns as the dataclass fields."""
-        rows = [asdict(r) for r in _rows(self, level)]
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-
-    def to_json(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-
-
-def _rows(profile: Profile, level: str) -> list:
-    if level not in ("ops", "layers"):
-        raise ValueError(f"level must be 'ops' or 'layers', got {level!r}")
-    return profile.ops if level == "ops" else profile.layers
 
 
 def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader, place: Any = None,
@@ -195,8 +74,8 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
         if role != FWD:
             continue
         op = wblock.ops[j]
-        outs = [n for n in _names(op.output_arg_names) if _is_activation(wblock._var_recursive(n))]
-        var_bytes.update((n, _bytes(scope, n)) for n in outs)
+        outs = [n for n in arg_names(op.output_arg_names) if _is_activation(wblock._var_recursive(n))]
+        var_bytes.update((n, tensor_bytes(scope, n)) for n in outs)
         flops = _flops(op, lambda name: _shape(scope, name))
         if flops is None:
             unestimated.add(op.type)
@@ -268,7 +147,7 @@ def _find_loss(program: framework.Program) -> str:
     read = {n for op in block.ops for n in op.input_arg_names}
     found = []  # (name, producing op type)
     for op in block.ops:
-        for name in _names(op.output_arg_names):
+        for name in arg_names(op.output_arg_names):
             var = block._var_recursive(name)
             if name not in read and var.dtype in _FLOAT_TYPES and int(np.prod(var.shape or [1])) == 1:
                 found.append((name, op.type))
@@ -307,14 +186,11 @@ def _gradient_owners(block: framework.Block, roles: list[str]) -> dict[int, int]
     for j, role in enumerate(roles):
         if role != BWD:
             continue
-        op = block.ops[j]
-        bases = [grad_base(n) for n in op.input_arg_names + op.output_arg_names]
-        cands = [producer[b] if b in producer else first_reader[b] for b in bases
-                 if b in producer or b in first_reader]
-        if not cands:
-            raise ValueError(f"backward {op_label(j, op)} computes no gradient of a forward variable; "
+        owner = latest_gradient_source(block.ops[j], lambda base: producer.get(base, first_reader.get(base)))
+        if owner is None:
+            raise ValueError(f"backward {op_label(j, block.ops[j])} computes no gradient of a forward variable; "
                              "staticpipe cannot tell which forward op it belongs to")
-        owners[j] = max(cands)
+        owners[j] = owner
     return owners
 
 
@@ -330,7 +206,7 @@ def _initialise(program: framework.Program, startup: framework.Program | None, s
             continue
         if var.type != core.VarDesc.VarType.LOD_TENSOR:
             continue
-        dtype = np.dtype(paddle.base.data_feeder.convert_dtype(var.dtype))
+        dtype = np.dtype(np_dtype(var))
         shape = [max(int(d), 1) for d in var.shape]
         value = rng.uniform(-0.05, 0.05, shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
         scope.var(var.name).get_tensor().set(value, place)
@@ -348,7 +224,7 @@ def _feed(block: framework.Block, roles: list[str], batch: dict[str, np.ndarray]
     for name, value in batch.items():
         if not block.has_var(name):
             raise ValueError(f"feed names '{name}', which is not a variable of the program")
-        dtype = np.dtype(paddle.base.data_feeder.convert_dtype(block.var(name).dtype))
+        dtype = np.dtype(np_dtype(block.var(name)))
         scope.var(name).get_tensor().set(np.asarray(value, dtype), place)
 
 
@@ -358,7 +234,7 @@ def _time_op(exe: core.Executor, block: framework.Block, i: int, scope: core._Sc
     program = paddle.static.Program()
     copy_ops(program.global_block(), block, [i])
     op = block.ops[i]
-    ctx = exe.prepare(program.desc, 0, _names(op.input_arg_names + op.output_arg_names), False)
+    ctx = exe.prepare(program.desc, 0, arg_names(op.input_arg_names + op.output_arg_names), False)
     times = []
     for k in range(repeat + 1):
         start = time.perf_counter()
@@ -369,10 +245,6 @@ def _time_op(exe: core.Executor, block: framework.Block, i: int, scope: core._Sc
     return statistics.median(times)
 
 
-def _names(names: list[str]) -> list[str]:
-    return [n for n in names if n and n != EMPTY_VAR]
-
-
 def static_bytes(var: framework.Variable) -> int:
     """Bytes of ``var`` from its declared shape, every unknown (batch) dimension counted as 1."""
     return int(np.prod([max(int(d), 1) for d in var.shape])) * core.size_of_dtype(var.dtype)
@@ -380,14 +252,6 @@ def static_bytes(var: framework.Variable) -> int:
 
 def _is_activation(var: framework.Variable) -> bool:
     return var.type == core.VarDesc.VarType.LOD_TENSOR and not var.persistable
-
-
-def _bytes(scope: core._Scope, name: str) -> int:
-    var = scope.find_var(name)
-    if var is None or not var.get_tensor()._is_initialized():
-        return 0
-    tensor = var.get_tensor()
-    return tensor._numel() * core.size_of_dtype(tensor._dtype())
 
 
 def _shape(scope: core._Scope, name: str) -> list[int]:

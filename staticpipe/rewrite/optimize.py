@@ -14,15 +14,15 @@ norms of every stage's gradients. The rule here is data flow:
 
 Shared parameters (read by several stages' forward) are updated once, on their owner (the first stage):
 each other stage accumulates its partial gradient locally and sends the sum once per step; after the
-update the owner sends the new value back (see ``SharedParam``).
+update the owner sends the new value back (see ``SharedPartial``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .._paddle import framework
+from ..placement import op_device
 from .stages import BWD, LR, OPT, StageAssignment, op_label
-from .stages import _device as op_device
 
 GLOBAL = -1
 

@@ -1,4 +1,4 @@
-"""Small builders of Paddle programs from pieces of another program.
+"""Small builders of Paddle programs from pieces of another program, and of what the runtime executes.
 
 A section is a fresh ``Program`` holding copies of some ops of the user's program; the variables those
 ops touch are declared again with the same shape, dtype and persistence. Ops are copied at the desc
@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from .._paddle import OP_DEVICE, OP_ROLE, core, framework, paddle
-from ..plan import COLLECTIVE_OP_TYPES, COMM_OP_TYPES, CutVar
+from .._paddle import OP_DEVICE, OP_ROLE, core, framework
+from ..ir import EMPTY_VAR, arg_names, clear_device_tags, np_dtype
+from ..plan import COLLECTIVE_OP_TYPES, OPTIMIZE, CutVar, Run
 
-EMPTY_VAR = core.kEmptyVarName() if hasattr(core, "kEmptyVarName") else "@EMPTY@"
-
-
-def np_dtype(var: framework.Variable) -> str:
-    return paddle.base.data_feeder.convert_dtype(var.dtype)
+MERGED_SUFFIX = "@MERGED"  # a gradient accumulated over the micro-batches of a step
 
 
 def declare_var(dst: framework.Block, src: framework.Variable, persistable: bool | None = None) -> None:
@@ -79,27 +76,61 @@ def append_comm_op(block: framework.Block, op_type: str, var: CutVar, peer: int,
         append_tagged_op(block, op_type, device, role, inputs={"X": [var.name]}, attrs=attrs)
 
 
-def without_comm_ops(program: framework.Program) -> framework.Program:
-    """A copy of ``program`` with its send/recv ops removed: what the runtime executes."""
-    return _copy_without(program, lambda i, op: op.type in COMM_OP_TYPES)
+def cut_var(block: framework.Block, name: str, as_name: str | None = None) -> CutVar:
+    """The cut variable for ``name`` (travelling under ``as_name`` if given)."""
+    var = block._var_recursive(name)
+    if var.type != core.VarDesc.VarType.LOD_TENSOR:
+        raise ValueError(f"variable '{name}' crosses a stage boundary but is a {var.type}, not a dense tensor; "
+                         "move the ops that use it onto one stage")
+    shape = tuple(int(d) for d in var.shape)
+    return CutVar(as_name or name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
 
 
-def split_at_comm_ops(program: framework.Program) -> list[framework.Program | framework.Operator]:
-    """``program`` as a sequence of compute programs (maximal runs of ops) and the comm ops between them.
+def declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> str:
+    """Declare the persistable accumulator ``<grad>@MERGED`` in ``dst`` (once); returns its name."""
+    name = grad + MERGED_SUFFIX
+    if not dst.has_var(name):
+        g = src._var_recursive(grad)
+        dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=True, stop_gradient=True)
+    return name
 
-    The runtime runs the programs and performs each comm op itself through its channel.
+
+def zero_fill(dst: framework.Block, name: str, device: str, role: int) -> None:
+    var = dst.var(name)
+    append_tagged_op(dst, "fill_constant", device, role, outputs={"Out": [name]},
+                     attrs={"shape": list(var.shape), "dtype": var.dtype, "value": 0.0})
+
+
+def section_runs(program: framework.Program, kind: str, keep: tuple[str, ...] = ()) -> tuple[Run, ...]:
+    """What the runtime executes of a section ``program`` of ``kind``: its compute ops without the send,
+    recv and all-reduce ops (the plan states that communication as data), device tags cleared (a worker
+    runs its stage on its own place).
+
+    A per-micro-batch or init section is one run that keeps ``keep``. An optimize section has one run
+    before each comm op and one after the last, each keeping what the ops after it read, so exchange k
+    happens between run k and run k + 1.
     """
+    split_at_comm = kind == OPTIMIZE
     ops = program.global_block().ops
-    pieces: list[framework.Program | framework.Operator] = []
-    start = 0
-    for i, op in enumerate(ops + [None]):
-        if op is None or op.type in COLLECTIVE_OP_TYPES:
-            if i > start:
-                pieces.append(_copy_without(program, lambda j, _: not start <= j < i))
-            if op is not None:
-                pieces.append(op)
-            start = i + 1
-    return pieces
+    pieces: list[list[int]] = [[]]
+    boundaries: list[int] = []  # index of the comm op that ends each piece
+    for i, op in enumerate(ops):
+        if op.type not in COLLECTIVE_OP_TYPES:
+            pieces[-1].append(i)
+        elif split_at_comm:
+            boundaries.append(i)
+            pieces.append([])
+    boundaries.append(len(ops))
+    runs = []
+    for piece, end in zip(pieces, boundaries):
+        if split_at_comm:
+            keep = tuple(sorted({n for op in ops[end:] for n in arg_names(op.input_arg_names)}))
+        if not piece:
+            runs.append(Run(None, keep))
+            continue
+        wanted = set(piece)
+        runs.append(Run(clear_device_tags(_copy_without(program, lambda j, _: j not in wanted)), keep))
+    return tuple(runs)
 
 
 def _copy_without(program: framework.Program, drop: Callable[[int, framework.Operator], bool]) -> framework.Program:
@@ -110,12 +141,3 @@ def _copy_without(program: framework.Program, drop: Callable[[int, framework.Ope
             block._remove_op(idx, sync=False)
     block._sync_with_cpp()
     return clone
-
-
-def clear_device_tags(program: framework.Program) -> framework.Program:
-    """``program`` with every ``op_device`` emptied (in place): for running a tagged program on the CPU,
-    where Paddle would warn about each gpu tag."""
-    for op in program.global_block().ops:
-        if op.has_attr(OP_DEVICE):
-            op._set_attr(OP_DEVICE, "")
-    return program

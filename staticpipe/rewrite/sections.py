@@ -5,9 +5,8 @@ For every stage, four programs:
 - backward: its backward ops for one micro-batch; the loss gradient is scaled by 1/M and every
   parameter gradient is added into a persistable ``<grad>@MERGED`` buffer, so that after M micro-batches
   the buffer holds the full-batch gradient;
-- optimize: learning-rate ops, then the optimizer ops reading the merged gradients, then a reset of the
-  buffers to zero; runs once per step;
-- init: zero-fills the buffers once, after the startup program.
+- optimize and init (``optimize_section.py``): once per step, the learning-rate, clipping and update ops
+  reading the merged gradients, then a reset of the buffers; once after startup, the buffers' zero-fill.
 
 A variable read by a section but produced by another stage's section becomes a cut variable on a route
 between the two sections; data variables are fed straight to every stage that reads them.
@@ -17,14 +16,15 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, ROLE_OPTIMIZE, core, framework, paddle
-from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, CutVar, Route, Section, SectionRef, Stage
-from .programs import EMPTY_VAR, append_comm_op, append_tagged_op, copy_ops, declare_var, np_dtype
-from .optimize import Reduction, SharedPartial, place_optimize_ops, shared_partials
+from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, core, framework, paddle
+from ..ir import arg_names
+from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, Exchange, Route, Section, SectionRef, Stage
+from .optimize import Reduction, place_optimize_ops, shared_partials
+from .optimize_section import Exchanges, init_section, optimize_section
+from .programs import (MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var, declare_merged, declare_var,
+                       section_runs)
 from .stages import BWD, FWD, OPT, StageAssignment, grad_base, op_label
 
-MERGED_SUFFIX = "@MERGED"
-PARTIAL_SUFFIX = "@STAGE_PARTIAL"
 RECOMPUTE_SUFFIX = "@RECOMPUTE"
 WHOLE_IN_B = {"batch_norm_grad", "sync_batch_norm_grad", "layer_norm_grad", "group_norm_grad",
               "instance_norm_grad"}
@@ -42,10 +42,6 @@ class SectionOps:
     keep: set[str] = field(default_factory=set)
 
 
-def _names(names: list[str]) -> list[str]:
-    return [n for n in names if n and n != EMPTY_VAR]
-
-
 Drops = dict[int, set[str]]  # op index -> argument names removed from that op's copy in one section
 
 
@@ -53,12 +49,12 @@ def _analyse(block: framework.Block, ref: SectionRef, ops: list[int], drop_in: D
     sec = SectionOps(ref, ops)
     for i in ops:
         op = block.ops[i]
-        for name in _names(op.input_arg_names):
+        for name in arg_names(op.input_arg_names):
             if name in drop_in.get(i, ()):
                 continue
             if name not in sec.writes and name not in sec.reads and not block._var_recursive(name).persistable:
                 sec.reads.append(name)
-        sec.writes.update(n for n in _names(op.output_arg_names)
+        sec.writes.update(n for n in arg_names(op.output_arg_names)
                           if n not in drop_out.get(i, ()) and not block._var_recursive(n).persistable)
     return sec
 
@@ -75,7 +71,7 @@ def split_weight_gradients(block: framework.Block, ops: list[int], params: set[s
     """
     b_ops, b_drop, w_ops, w_drop = [], {}, [], {}
     for i in ops:
-        outs = set(_names(block.ops[i].output_arg_names))
+        outs = set(arg_names(block.ops[i].output_arg_names))
         if block.ops[i].type in WHOLE_IN_B:
             b_ops.append(i)
             continue
@@ -102,12 +98,13 @@ def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str
             if p.name + GRAD_SUFFIX in produced}
 
 
-def build_sections(program: framework.Program, assignment: StageAssignment, num_microbatches: int,
-                   micro_batch_size: int | None, recompute: frozenset[int] = frozenset(),
-                   split_backward: bool = False) -> tuple[list[Stage], list[Route], dict[str, tuple[int, ...]], dict[str, SectionRef],
-                              dict[int, str]]:
-    """Return (stages, routes, data variable -> stages that read it, per-micro-batch var -> producer,
-    replicated op -> why).
+def build_sections(program: framework.Program, assignment: StageAssignment, stage_ranks: list[int],
+                   num_microbatches: int, micro_batch_size: int | None, recompute: frozenset[int] = frozenset(),
+                   split_backward: bool = False
+                   ) -> tuple[list[Stage], list[Route], list[Exchange], dict[str, tuple[int, ...]],
+                              dict[str, SectionRef], dict[int, str]]:
+    """Return (stages, routes, exchanges, data variable -> stages that read it, per-micro-batch var ->
+    producer, replicated op -> why). ``stage_ranks[s]``: the worker that runs stage s.
 
     Stages in ``recompute`` keep only their inputs between forward and backward; their backward section
     starts with a second run of the forward ops. ``split_backward`` gives every stage a third
@@ -181,47 +178,40 @@ def build_sections(program: framework.Program, assignment: StageAssignment, num_
         for name in sec.writes:
             here.setdefault(name, ref)
 
-    routes = [Route(k, src, dst, tuple(_cut_var(block, n) for n in names))
+    routes = [Route(k, src, dst, tuple(cut_var(block, n) for n in names))
               for k, ((src, dst), names) in enumerate(sorted(route_vars.items(),
                                                              key=lambda kv: (kv[0][0].order(p), kv[0][1].order(p))))]
     placement = place_optimize_ops(block, assignment, grads)
     _check_sparse_updates(block, assignment, grads)
+    reductions = {item.op: item for ops in placement.ops.values() for item in ops if isinstance(item, Reduction)}
+    exchanges = Exchanges(block, partials, [reductions[i] for i in sorted(reductions)], assignment)
     stages = []
     for s, device in enumerate(assignment.devices):
         # gradients accumulated here: owned parameters' gradients and partials of shared parameters
         merge = {g: p_ for p_, g in grads.items() if assignment.param_stage.get(p_) == s}
         merge.update({sp.name: sp.param for sp in partials if sp.stage == s})
-        stage = Stage(index=s, device=device, recompute=s in recompute)
+        sections: dict[str, Section] = {}
         fwd = secs[SectionRef(s, FORWARD)]
-        if stage.recompute:
+        if s in recompute:
             _check_recomputable(block, fwd)
             sent = {v.name for r in routes if r.src == fwd.ref for v in r.vars}
             fwd.keep = {n for n in fwd.keep if n not in fwd.writes} | sent
         for kind in kinds:
             ref = SectionRef(s, kind)
-            stage.sections[kind] = _per_microbatch_section(
+            sections[kind] = _per_microbatch_section(
                 block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
-                drop_out[ref], recompute=fwd.ops if stage.recompute and kind == BACKWARD else [])
-        stage.sections[OPTIMIZE] = _optimize_section(block, s, device, placement.ops[s], grads, merge,
-                                                     partials, assignment)
-        stage.sections[INIT] = _init_section(block, s, device, merge)
-        stage.parameters = tuple(n for n, st in assignment.param_stage.items() if st == s)
-        stage.grad_buffers = tuple(g + MERGED_SUFFIX for g in merge)
-        stage.persistables = tuple(sorted({
-            v.name for sec in stage.sections.values() for v in sec.program.list_vars()
-            if v.persistable and v.name not in merge}))
-        stages.append(stage)
-    return stages, routes, {k: tuple(v) for k, v in data_vars.items()}, producer, placement.replicated
-
-
-def _cut_var(block: framework.Block, name: str, as_name: str | None = None) -> CutVar:
-    """The cut variable for ``name`` (travelling under ``as_name`` if given)."""
-    var = block._var_recursive(name)
-    if var.type != core.VarDesc.VarType.LOD_TENSOR:
-        raise ValueError(f"variable '{name}' crosses a stage boundary but is a {var.type}, not a dense tensor; "
-                         "move the ops that use it onto one stage")
-    shape = tuple(int(d) for d in var.shape)
-    return CutVar(as_name or name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
+                drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [])
+        sections[OPTIMIZE] = optimize_section(block, s, device, placement.ops[s], grads, merge, partials,
+                                              assignment, exchanges)
+        sections[INIT] = init_section(block, s, device, merge)
+        stages.append(Stage(
+            index=s, device=device, rank=stage_ranks[s], sections=sections, recompute=s in recompute,
+            parameters=tuple(n for n, st in assignment.param_stage.items() if st == s),
+            grad_buffers=tuple(g + MERGED_SUFFIX for g in merge),
+            persistables=tuple(sorted({v.name for sec in sections.values() for v in sec.program.list_vars()
+                                       if v.persistable and v.name not in merge}))))
+    return (stages, routes, exchanges.records, {k: tuple(v) for k, v in data_vars.items()}, producer,
+            placement.replicated)
 
 
 def _check_sparse_updates(block: framework.Block, assignment: StageAssignment, grads: dict[str, str]) -> None:
@@ -300,102 +290,12 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
         copy_ops(dst, block, [i], edit=recompute_edit)
     copy_ops(dst, block, sec.ops, edit=edit, persistable=set(grads_here))
     for g in grads_here:  # accumulate: g@MERGED += g (sum also adds sparse rows of embedding gradients)
-        merged = _declare_merged(dst, block, g)
+        merged = declare_merged(dst, block, g)
         append_tagged_op(dst, "sum", device, ROLE_BACKWARD, inputs={"X": [merged, g]}, outputs={"Out": [merged]})
     for r in sends:
         for v in r.vars:
             append_comm_op(dst, "send_v2", v, r.dst.stage, device, role, micro_batch_size)
-    return Section(sec.ref.stage, sec.ref.kind, prog, feeds=tuple(sec.feeds), keep=tuple(sorted(sec.keep)),
+    keep = tuple(sorted(sec.keep))
+    return Section(sec.ref.stage, sec.ref.kind, prog, feeds=tuple(sec.feeds), keep=keep,
                    recv_routes=tuple(r.index for r in recvs), send_routes=tuple(r.index for r in sends),
-                   source_ops=tuple(sec.ops), recomputed_ops=tuple(recompute))
-
-
-def _declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> str:
-    name = grad + MERGED_SUFFIX
-    if not dst.has_var(name):
-        g = src._var_recursive(grad)
-        dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=True, stop_gradient=True)
-    return name
-
-
-def _optimize_section(block: framework.Block, stage: int, device: str, ops: list[int | Reduction],
-                      grads: dict[str, str], merge: dict[str, str], partials: list[SharedPartial],
-                      assignment: StageAssignment) -> Section:
-    """Once per step: shared-gradient exchange, learning rate, clipping, updates, buffer reset, and
-    the new values of shared parameters sent to the stages that read them."""
-    prog = paddle.static.Program()
-    dst = prog.global_block()
-    for g in merge:
-        _declare_merged(dst, block, g)
-    owned = {g: g + MERGED_SUFFIX for g, p_ in merge.items() if assignment.param_stage[p_] == stage}
-    for sp in partials:
-        if sp.owner == stage:  # add the other stages' partial sums into the owner's buffer
-            # received under a name of its own: on a device holding both stages, the sender's buffer
-            # lives in the same scope and must not be replaced by the received copy
-            name = f"{sp.name}{MERGED_SUFFIX}@FROM_STAGE_{sp.stage}"
-            g = block._var_recursive(sp.name)
-            dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=False, stop_gradient=True)
-            append_comm_op(dst, "recv_v2", _cut_var(block, sp.name, name), sp.stage, device, ROLE_OPTIMIZE, None)
-            target = grads[sp.param] + MERGED_SUFFIX
-            append_tagged_op(dst, "elementwise_add", device, ROLE_OPTIMIZE, inputs={"X": [target], "Y": [name]},
-                             outputs={"Out": [target]}, attrs={"axis": -1})
-        elif sp.stage == stage:
-            append_comm_op(dst, "send_v2", _cut_var(block, sp.name, sp.name + MERGED_SUFFIX), sp.owner, device,
-                           ROLE_OPTIMIZE, None)
-
-    def read_merged(i: int, desc: core.OpDesc) -> None:
-        for g, merged in owned.items():
-            desc._rename_input(g, merged)
-            desc._rename_output(g, merged)
-
-    for item in ops:
-        if isinstance(item, Reduction):
-            _append_reduction(dst, block, item, device, owned)
-        else:
-            copy_ops(dst, block, [item], edit=read_merged)
-    for g in merge:
-        _zero_fill(dst, g + MERGED_SUFFIX, device, ROLE_OPTIMIZE)
-    for param, sharers in sorted(assignment.shared.items()):
-        var = _cut_var(block, param)
-        if assignment.param_stage[param] == stage:
-            for peer in sharers:
-                if peer != stage:
-                    append_comm_op(dst, "send_v2", var, peer, device, ROLE_OPTIMIZE, None)
-        elif stage in sharers:
-            declare_var(dst, block._var_recursive(param))
-            append_comm_op(dst, "recv_v2", var, assignment.param_stage[param], device, ROLE_OPTIMIZE, None)
-    return Section(stage, OPTIMIZE, prog,
-                   source_ops=tuple(item.op if isinstance(item, Reduction) else item for item in ops))
-
-
-def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction, device: str,
-                      owned: dict[str, str]) -> None:
-    """This stage's part of a cross-stage sum: sum the local inputs, then all-reduce into the output."""
-    out = src._var_recursive(red.output)
-    declare_var(dst, out)
-    partial = red.output + PARTIAL_SUFFIX
-    dst.create_var(name=partial, shape=out.shape, dtype=out.dtype, persistable=False)
-    inputs = [owned.get(n, n) for n in red.inputs]
-    for name in red.inputs:
-        if not dst.has_var(owned.get(name, name)):
-            declare_var(dst, src._var_recursive(name))
-    if inputs:
-        append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [partial]})
-    else:
-        _zero_fill(dst, partial, device, ROLE_OPTIMIZE)
-    append_tagged_op(dst, "c_allreduce_sum", device, ROLE_OPTIMIZE, inputs={"X": [partial]},
-                     outputs={"Out": [red.output]}, attrs={"ring_id": 0, "use_calc_stream": True})
-
-
-def _init_section(block: framework.Block, stage: int, device: str, merge: dict[str, str]) -> Section:
-    prog = paddle.static.Program()
-    dst = prog.global_block()
-    for g in merge:
-        _zero_fill(dst, _declare_merged(dst, block, g), device, ROLE_OPTIMIZE)
-    return Section(stage, INIT, prog)
-
-
-def _zero_fill(dst: framework.Block, name: str, device: str, role: int) -> None:
-    var = dst.var(name)
-    append_tagged_op(dst, "fill_constant", device, role, outputs={"Out": [name]},
-                     attrs={"shape": list(var.shape), "dtype": var.dtype, "value": 0.0})
+                   source_ops=tuple(sec.ops), recomputed_ops=tuple(recompute), runs=section_runs(prog, sec.ref.kind, keep))

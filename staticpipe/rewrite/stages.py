@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._paddle import (GRAD_SUFFIX, OP_DEVICE, OP_ROLE, ROLE_BACKWARD, ROLE_LRSCHED,
-                       ROLE_OPTIMIZE, framework)
-from ..placement import SPLIT_POINTS, parse_device
+from typing import Callable
+
+from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LRSCHED, ROLE_OPTIMIZE, framework
+from ..placement import SPLIT_POINTS, op_device
 
 FWD, BWD, OPT, LR = "forward", "backward", "optimize", "lr"
 DEFAULT_DEVICE = "gpu:0"
@@ -56,9 +57,16 @@ def grad_base(name: str) -> str | None:
     return name[:pos] if pos > 0 else None
 
 
-def _device(op: framework.Operator) -> str | None:
-    dev = op.attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
-    return str(parse_device(dev)) if dev else None
+def latest_gradient_source(op: framework.Operator, position: Callable[[str], int | None]) -> int | None:
+    """Where the forward op lies whose gradient backward op ``op`` computes, or None if it touches no
+    gradient of a forward variable.
+
+    The gradient of forward op O reads O's output gradients and writes its input gradients, so O is the
+    latest, by ``position`` (a stage, or an op index), of the forward variables whose gradients ``op``
+    reads or writes; ``position`` gives a variable's producer (a parameter's: its first reader)."""
+    found = [p for n in op.input_arg_names + op.output_arg_names
+             if (base := grad_base(n)) is not None and (p := position(base)) is not None]
+    return max(found) if found else None
 
 
 def assign_stages(program: framework.Program, chunked: bool = False) -> StageAssignment:
@@ -84,7 +92,7 @@ def assign_stages(program: framework.Program, chunked: bool = False) -> StageAss
     splits = sorted(getattr(program, SPLIT_POINTS, ()))
     previous = -1
     for i in fwd:
-        dev = _device(ops[i])
+        dev = op_device(ops[i])
         if dev is None:
             continue
         if chunked:
@@ -150,20 +158,14 @@ def assign_stages(program: framework.Program, chunked: bool = False) -> StageAss
 def _backward_stage(i: int, op: framework.Operator, devices: list[str] | None, producer: dict[str, int],
                     stage: list[int | None], param_stage: dict[str, int]) -> int:
     """The device tag's stage (``devices`` given), else the stage of the forward op being differentiated."""
-    dev = _device(op) if devices is not None else None
+    dev = op_device(op) if devices is not None else None
     if dev is not None:
         if dev not in devices:
             raise ValueError(f"backward {op_label(i, op)} is on device {dev}, which runs no forward op")
         return devices.index(dev)
-    # the gradient of forward op O reads O's output gradients: O's stage is the latest such producer
-    cands = []
-    for name in op.input_arg_names + op.output_arg_names:
-        base = grad_base(name)
-        if base in producer:
-            cands.append(stage[producer[base]])
-        elif base in param_stage:
-            cands.append(param_stage[base])
-    if not cands:
+    found = latest_gradient_source(op, lambda base: stage[producer[base]] if base in producer
+                                   else param_stage.get(base))
+    if found is None:
         raise ValueError(f"backward {op_label(i, op)} has no device and computes no gradient of a forward "
                          "variable; staticpipe cannot tell which stage runs it")
-    return max(cands)
+    return found

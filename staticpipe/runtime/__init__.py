@@ -1,7 +1,11 @@
-"""The runtime: executes a Plan's action lists with one worker per device, joined by channels."""
-from .channel import Channel, InProcessChannel, PipelineAborted
-from .executor import Executor, plan_of
-from .places import place_of
-from .worker import StageError
+"""The runtime: executes a Plan's action lists with one worker per device, joined by channels.
 
-__all__ = ["Channel", "InProcessChannel", "PipelineAborted", "Executor", "StageError", "plan_of", "place_of"]
+``devices`` (workers, threads, channels of this process) -> ``step`` (one pipelined step) and ``state``
+(the stages' parameters and optimizer state); a ``worker`` runs a rank's actions, its ``optimize_phase``
+the once-per-step exchanges; ``channel``/``distributed`` move the messages; ``watchdog`` stops a job
+whose other process failed.
+"""
+from .channel import Channel, InProcessChannel
+from .errors import PipelineAborted, StageError
+
+__all__ = ["Channel", "InProcessChannel", "PipelineAborted", "StageError"]

@@ -1,11 +1,11 @@
 """Channels: how a route's tensors travel from one stage worker to another.
 
 The runtime only calls ``send``, ``recv``, ``allreduce``, ``replica_mean``, ``abort``, ``reset`` and
-``flush``. Keys name messages:
-``(route, micro-batch)`` for the cut variables of a schedule, ``("opt", var, src, dst)`` for the
-once-per-step exchanges of the optimize sections. The in-process implementation below keeps a mailbox
-keyed that way, so a message can never be matched to the wrong receiver. A transport on
-``paddle.distributed`` implements the same methods.
+``flush``. Keys name messages: ``(route, micro-batch)`` for the cut variables of a schedule (the plan's
+``Route``s), ``("opt", exchange)`` for the once-per-step exchanges of the optimize sections (the plan's
+``Exchange``s). The in-process implementation below keeps a mailbox keyed that way, so a message can
+never be matched to the wrong receiver. A transport on ``paddle.distributed`` implements the same
+methods (``distributed.py``).
 """
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from .errors import PipelineAborted
+
 Message = dict[str, Any]  # cut variable name -> tensor (already on the receiver's place)
 POLL_S = 0.05
-
-
-class PipelineAborted(RuntimeError):
-    """Raised in a worker blocked on a channel when another stage failed."""
 
 
 class Channel(ABC):
@@ -32,9 +30,9 @@ class Channel(ABC):
         """The message sent under ``key``; its values are tensors or numpy arrays."""
 
     @abstractmethod
-    def allreduce(self, key: Hashable, member: int, value: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
-        """Sum ``value`` over every member of ``group`` (added in member order, so every member gets
-        bit-identical results) and return the sum to each."""
+    def allreduce(self, key: Hashable, rank: int, value: np.ndarray, ranks: int) -> np.ndarray:
+        """Sum ``value`` over the ``ranks`` ranks of this pipeline (``rank`` is the caller's; every rank
+        calls it once with the same ``key``) and return the same bits to each."""
 
     @abstractmethod
     def abort(self, reason: str) -> None:
@@ -77,19 +75,20 @@ class InProcessChannel(Channel):
                 self._cond.wait(POLL_S)
             return self._box.pop(key)
 
-    def allreduce(self, key: Hashable, member: int, value: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
+    def allreduce(self, key: Hashable, rank: int, value: np.ndarray, ranks: int) -> np.ndarray:
+        """Added in rank order, so every rank gets bit-identical results."""
         with self._cond:
             slot = self._sums.setdefault(key, {"parts": {}, "result": None, "taken": 0})
-            slot["parts"][member] = value
-            if len(slot["parts"]) == len(group):
-                parts = [slot["parts"][m] for m in sorted(group)]
+            slot["parts"][rank] = value
+            if len(slot["parts"]) == ranks:
+                parts = [slot["parts"][r] for r in range(ranks)]
                 slot["result"] = sum(parts[1:], parts[0].copy())
                 self._cond.notify_all()
             while slot["result"] is None:
                 self._check()
                 self._cond.wait(POLL_S)
             slot["taken"] += 1
-            if slot["taken"] == len(group):
+            if slot["taken"] == ranks:
                 del self._sums[key]
             return slot["result"]
 

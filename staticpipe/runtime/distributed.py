@@ -37,7 +37,7 @@ import numpy as np
 
 from .._paddle import core, paddle
 from .channel import Channel, Message, PipelineAborted
-from .places import cuda_device_count, process_gpu
+from ..placement import cuda_device_count, process_gpu
 
 STORE_TIMEOUT_S = 900  # how long a group's rendezvous waits for its members
 _GROUPS_MADE = itertools.count()  # same sequence on every rank: groups are made in the same order
@@ -68,6 +68,7 @@ class DistributedChannel(Channel):
             pipelines = [_new_group(ranks) for ranks in replicas]
             holders = [_new_group(list(range(r, size, pipeline_size))) for r in range(pipeline_size)]
         self._pipeline, self._holders = pipelines[replica], holders[pipeline_rank]
+        self._pipeline_ranks = replicas[replica]
         self._outboxes: dict[int, queue.Queue] = {}
         for peer in replicas[replica]:
             if peer != self.rank:
@@ -131,7 +132,12 @@ class DistributedChannel(Channel):
                 message[name] = tensor.numpy()
         return meta["key"], message
 
-    def allreduce(self, key: Hashable, member: int, value: np.ndarray, group: tuple[int, ...]) -> np.ndarray:
+    def allreduce(self, key: Hashable, rank: int, value: np.ndarray, ranks: int) -> np.ndarray:
+        """Over this replica's pipeline group; gloo matches the ranks' calls by their order, which is the
+        same on every rank (the plan's exchange order), so ``key`` names the sum only in errors."""
+        if ranks != len(self._pipeline_ranks) or self._pipeline_ranks[rank] != self.rank:
+            raise RuntimeError(f"all-reduce {key}: rank {rank} of {ranks} does not match this process (rank "
+                               f"{self.rank} of the pipeline {self._pipeline_ranks})")
         return self._sum(value, self._pipeline)
 
     def replica_mean(self, value: np.ndarray) -> np.ndarray:
@@ -164,12 +170,6 @@ class DistributedChannel(Channel):
             raise RuntimeError(f"sending to another rank failed: {self._send_error}") from self._send_error
         if self._aborted is not None:
             raise PipelineAborted(self._aborted)
-
-
-def launched_world() -> tuple[int, int] | None:
-    """(rank, world size) when this process was started by a launcher with more than one process."""
-    size = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
-    return (int(os.environ.get("PADDLE_TRAINER_ID", "0")), size) if size > 1 else None
 
 
 def init_distributed() -> None:

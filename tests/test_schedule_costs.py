@@ -1,41 +1,17 @@
-"""Cost-aware zero-bubble schedules: planned at measured F/B/W durations, never slower than the unit-cost
-plan under those durations, at 1F1B's memory, and training exactly like single-device training."""
+"""Cost-aware ZB-H1 and ZB-V plans: valid, never slower than unit-cost plans at measured costs, in 1F1B's memory."""
 from __future__ import annotations
 
 import random
 import re
-from functools import partial
 
 import pytest
 
-import staticpipe
-from models import build_mlp
-from pipeline_util import assert_same_training, minimize, train_twins
-from staticpipe._paddle import paddle
-from staticpipe.schedule import Kind, get_kind, make_schedule, simulate, validate
+from schedule_util import HEAVY_MIDDLE, as_strings, rank_peak
+from staticpipe.schedule import get_kind, make_schedule, simulate, validate
 from staticpipe.schedule.__main__ import main
 from staticpipe.schedule.simulate import stage_cost_function
 
 pytestmark = pytest.mark.timeout(300)
-
-# stage 1 of 3 has a backward twice as long as the others', and W's are cheap
-HEAVY_MIDDLE = {"F": 1, "B": [1, 2, 1], "W": 0.5}
-
-
-def as_strings(schedule):
-    return {r: " ".join(map(str, acts)) for r, acts in schedule.items()}
-
-
-def rank_peak(schedule):
-    """Per rank, the most (stage, micro-batch) pairs between their F and their W: the activations the
-    rank holds at once (1F1B's bound: as many as there are stages)."""
-    peak = {}
-    for r, acts in schedule.items():
-        held = 0
-        for a in acts:
-            held += (a.kind is Kind.F) - (a.kind is Kind.W)
-            peak[r] = max(peak.get(r, 0), held)
-    return peak
 
 
 def test_hand_checked_plan_with_a_heavy_middle_stage():
@@ -87,7 +63,7 @@ def test_cost_aware_plans_are_valid_never_slower_and_within_1f1b_memory(name, ch
         unit = simulate(make_schedule(name, p, m, chunks), price).total
         assert simulate(planned, price).total <= unit, (p, m, costs)
         faster += simulate(planned, price).total < unit
-        assert max(rank_peak(planned).values()) <= p * chunks, (p, m, costs)
+        assert max(map(rank_peak, planned.values())) <= p * chunks, (p, m, costs)
     assert faster >= 10  # the costs do change plans, for the better
 
 
@@ -108,50 +84,6 @@ def test_costs_are_checked_and_name_the_fault():
         make_schedule("1F1B", 2, 4, costs={"F": 1})
     with pytest.raises(ValueError, match=re.escape("costs give action 1B0 a negative duration (-1)")):
         make_schedule("ZB-H1", 2, 4, costs=lambda a: -1 if str(a) == "1B0" else 1)
-
-
-def test_pipeline_optimizer_checks_schedule_costs():
-    opt = paddle.optimizer.SGD(0.1)
-    with pytest.raises(ValueError, match=re.escape("unknown action kind 'w' in schedule_costs; kinds: F, B, W")):
-        staticpipe.PipelineOptimizer(opt, 4, "ZB-H1", schedule_costs={"w": 0.5})
-    with pytest.raises(ValueError, match=re.escape("schedule_costs is for the schedules that plan by measured costs "
-                                                   "(ZB-H1, ZB-V); schedule interleaved does not use it")):
-        staticpipe.PipelineOptimizer(opt, 4, "interleaved", schedule_costs={"W": 0.5})
-    with pytest.raises(ValueError, match=re.escape("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V); "
-                                                   "a custom schedule gives its own order")):
-        staticpipe.PipelineOptimizer(opt, 1, "rank 0: 0F0 0B0 0OPT", schedule_costs={"W": 0.5})
-    net = build_mlp(num_stages=2)
-    with pytest.raises(ValueError, match=re.escape("schedule_costs['F'] has 3 values for 2 stages: [1, 1, 2]")):
-        minimize(net, opt, dict(num_microbatches=4, schedule="ZB-H1", schedule_costs={"F": [1, 1, 2]}))
-
-
-def momentum():
-    return paddle.optimizer.Momentum(0.1, momentum=0.9)
-
-
-def test_cost_aware_plan_trains_like_one_device():
-    builder = partial(build_mlp, num_stages=3)
-    twin = train_twins(builder, momentum, num_microbatches=2, schedule="ZB-H1", schedule_costs=HEAVY_MIDDLE)
-    assert_same_training(twin)
-    net = builder()
-    minimize(net, momentum(), dict(num_microbatches=2, schedule="ZB-H1", schedule_costs=HEAVY_MIDDLE))
-    compute = {r: [a for a in acts if a.kind in (Kind.F, Kind.B, Kind.W)]
-               for r, acts in staticpipe.plan_of(net.main).actions.items()}
-    assert " ".join(map(str, compute[1])) == "1F0 1F1 1B0 1B1 1W0 1W1"  # the cost-aware order, not the unit one
-
-
-def test_timeline_stage_costs_plan_the_next_build():
-    net = build_mlp(num_stages=2)
-    minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-H1"))
-    exe = staticpipe.Executor(trace=True)
-    exe.run(net.startup)
-    exe.run(net.main, feed=net.random_batch(16))
-    costs = exe.timeline(net.main).stage_costs()
-    exe.close()
-    assert sorted(costs) == ["B", "F", "W"] and all(len(v) == 2 and min(v) > 0 for v in costs.values())
-    again = build_mlp(num_stages=2)
-    minimize(again, momentum(), dict(num_microbatches=4, schedule="ZB-H1", schedule_costs=costs))
-    assert staticpipe.plan_of(again.main).schedule == "ZB-H1"
 
 
 def test_cli_plans_with_costs(capsys):

@@ -1,0 +1,86 @@
+"""What a batch is: the spec of each feed variable, checked arrays, and the split into micro-batches."""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from .._paddle import np
+from ..ir import np_dtype
+
+Batch = dict[str, np.ndarray]
+# numpy dtype kinds a feed variable's kind accepts without losing meaning (ints widen to floats, never back)
+_ACCEPTED_KINDS = {"f": "fiu", "i": "iu", "u": "iu", "c": "cfiu", "b": "b"}
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    """What one feed variable expects: ``-1`` in ``shape`` marks a dim that may be anything (the batch)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def from_variable(cls, var: Any) -> FeedSpec:
+        dtype = np.dtype(np_dtype(var))
+        return cls(var.name, tuple(-1 if d is None else int(d) for d in var.shape), dtype)
+
+    def convert(self, value: Any) -> np.ndarray:
+        """Check ``value`` against the spec and return it as an array of the spec's dtype.
+
+        Checked here rather than left to Paddle so that the error names the variable and both shapes.
+        """
+        array = np.asarray(value)
+        if array.ndim != len(self.shape) or any(
+            want != -1 and want != got for want, got in zip(self.shape, array.shape)
+        ):
+            raise ValueError(
+                f"feed variable {self.name!r}: expected shape {list(self.shape)} (batch, ...), "
+                f"received shape {array.shape}"
+            )
+        if array.dtype.kind not in _ACCEPTED_KINDS.get(self.dtype.kind, self.dtype.kind):
+            raise ValueError(f"feed variable {self.name!r}: expected dtype {self.dtype}, received {array.dtype}")
+        return np.asarray(array, dtype=self.dtype)
+
+
+def stack_samples(name: str, values: list[Any]) -> np.ndarray:
+    arrays = [np.asarray(v) for v in values]
+    shapes = sorted({a.shape for a in arrays})
+    if len(shapes) > 1:
+        raise ValueError(f"feed variable {name!r}: samples of one batch have different shapes {shapes}")
+    return np.stack(arrays)
+
+
+def split_microbatches(batch: Batch, num_microbatches: int) -> list[Batch]:
+    """Split every array of ``batch`` along axis 0 into ``num_microbatches`` equal contiguous views.
+
+    Equal sizes because every microbatch runs the same compiled program, and the pipeline averages
+    their gradients with equal weights.
+    """
+    if not isinstance(num_microbatches, numbers.Integral) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if not batch:
+        raise ValueError("cannot split an empty batch (no feed variables)")
+    arrays = {name: np.asarray(value) for name, value in batch.items()}
+    first, size = None, 0
+    for name, array in arrays.items():
+        if array.ndim == 0:
+            raise ValueError(f"feed variable {name!r} is a scalar; it has no batch dim to split")
+        if first is None:
+            first, size = name, array.shape[0]
+        elif array.shape[0] != size:
+            raise ValueError(
+                f"feed variables {first!r} and {name!r} have different batch sizes ({size} and {array.shape[0]})"
+            )
+    if size % num_microbatches:
+        lower, upper = size // num_microbatches * num_microbatches, (size // num_microbatches + 1) * num_microbatches
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"batch size {size} of feed variable {first!r} is not divisible by num_microbatches={num_microbatches}; "
+            f"use a batch size that is a multiple of {num_microbatches} (e.g. {hint})"
+        )
+    step = size // num_microbatches
+    return [
+        {name: array[i * step : (i + 1) * step] for name, array in arrays.items()} for i in range(num_microbatches)
+    ]

@@ -1,0 +1,87 @@
+"""A producer thread that runs a data source ahead of its consumer, and stops promptly when told."""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Iterable
+
+# a queue item: ("samples", list of samples) to stack, or ("batch", one whole batch)
+Item = tuple[str, Any]
+
+
+class _Failure:
+    """Carries an exception from the producer thread to the consumer."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+class Prefetcher:
+    """Runs a source of items on a daemon thread, up to ``capacity`` items ahead of the consumer.
+
+    Every blocking call polls a stop event, so ``close`` ends the producer promptly whatever the
+    consumer was doing, and a consumer never waits on a producer that has died.
+    """
+
+    _POLL_S = 0.05
+
+    def __init__(self, source: Callable[[], Iterable[Item]], capacity: int) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=capacity)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(
+            target=self._produce, args=(source,), name="staticpipe.io.DataLoader", daemon=True
+        )
+        self._thread.start()
+
+    def _put(self, item: object) -> bool:
+        """Queue ``item`` unless stopped first; return whether it was queued."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self._POLL_S)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _produce(self, source: Callable[[], Iterable[Item]]) -> None:
+        items: Iterable[Item] = ()
+        try:
+            items = source()
+            for item in items:
+                if not self._put(item):
+                    return
+            self._put(_END)
+        except Exception as e:  # handed to the consumer, which re-raises it with this traceback
+            e.add_note("(raised in the staticpipe DataLoader's generator, on its prefetch thread)")
+            self._put(_Failure(e))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:  # run the user's generator cleanup when stopped early
+                close()
+
+    def get(self) -> Item | None:
+        """Next item, ``None`` at the end (or once closed); re-raises the generator's exception."""
+        while not self._done and not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=self._POLL_S)
+            except queue.Empty:
+                if self._thread.is_alive() or not self._queue.empty():
+                    continue
+                break  # the producer died without a word
+            if item is _END:
+                break
+            if isinstance(item, _Failure):
+                self._done = True
+                raise item.error
+            return item
+        self._done = True
+        return None
+
+    def close(self, timeout: float) -> None:
+        """Stop the producer; a generator blocked inside ``next`` past ``timeout`` is left to exit alone."""
+        self._stop.set()
+        self._thread.join(timeout)

@@ -1,0 +1,62 @@
+"""The few facts of Paddle's legacy program IR that every layer reads, each stated once.
+
+Why a module of its own: the rewrite, the runtime, partitioning and checkpoints all need a variable's
+numpy dtype, an op's real argument names, a tensor's size in bytes or a program without device tags,
+and the same small rule written in four places drifts. This is also the seam where a second program
+IR (Paddle 3's PIR) will plug in.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Sequence
+
+from ._paddle import OP_DEVICE, core, framework, paddle
+
+EMPTY_VAR = core.kEmptyVarName() if hasattr(core, "kEmptyVarName") else "@EMPTY@"
+
+
+def np_dtype(dtype: Any) -> str:
+    """The numpy dtype name ("float32", "int64", ...) of a variable, a Paddle dtype or a tensor's dtype."""
+    return paddle.base.data_feeder.convert_dtype(getattr(dtype, "dtype", dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def paddle_dtype(name: str) -> Any:
+    """Paddle's dtype for a numpy dtype name (the inverse of ``np_dtype``)."""
+    return paddle.base.framework.convert_np_dtype_to_dtype_(name)
+
+
+def arg_names(names: Iterable[str]) -> list[str]:
+    """An op's argument names without the empty placeholders Paddle puts in optional slots."""
+    return [n for n in names if n and n != EMPTY_VAR]
+
+
+def var_names(items: Sequence | None) -> list[str]:
+    """Names of variables given as ``Variable`` objects or as names (a ``fetch_list``)."""
+    return [v if isinstance(v, str) else v.name for v in (items or [])]
+
+
+def tensor_bytes(scope: core._Scope, name: str) -> int:
+    """Bytes the tensor ``name`` holds in ``scope`` (0 when it is absent or has no value)."""
+    var = scope.find_var(name)
+    if var is None:
+        return 0
+    tensor = var.get_tensor()
+    return tensor._numel() * core.size_of_dtype(tensor._dtype()) if tensor._is_initialized() else 0
+
+
+def tensor_of(scope: core._Scope, name: str, where: object) -> core.LoDTensor:
+    """The tensor ``name`` holds in ``scope``; ``RuntimeError`` naming ``where`` it was missing."""
+    var = scope.find_var(name)
+    if var is None or not var.get_tensor()._is_initialized():
+        raise RuntimeError(f"variable '{name}' has no value in {where}")
+    return var.get_tensor()
+
+
+def clear_device_tags(program: framework.Program) -> framework.Program:
+    """``program`` with every ``op_device`` emptied (in place). A worker runs every op of its stage on
+    its own place; a "gpu:k" tag would move the op to GPU k (or warn on a CPU build)."""
+    for op in program.global_block().ops:
+        if op.has_attr(OP_DEVICE):
+            op._set_attr(OP_DEVICE, "")
+    return program

@@ -1,0 +1,142 @@
+"""The once-per-step sections of each stage, optimize and init, and the exchanges between them.
+
+Why exchanges are data: the optimize sections of different stages talk once per step -- a shared
+parameter's partial gradients go to its owner and its new value comes back, and a global-norm clip sums
+every stage's part. The plan states each such message as an ``Exchange`` record (as a ``Route`` states a
+micro-batch's cut variables), so the runtime executes compute-only runs and performs the exchanges
+between them without reading a single op. The section program still shows each exchange as the op
+Paddle's own pipeline would hold there (``send_v2``, ``recv_v2``, ``c_allreduce_sum``).
+
+Order inside an optimize section: partial gradients of shared parameters (received and added on the
+owner, sent by the others), the learning-rate, clipping and update ops (a cross-stage sum where the
+program had one), the reset of the gradient buffers, and last the new values of shared parameters.
+"""
+from __future__ import annotations
+
+from .._paddle import ROLE_OPTIMIZE, core, framework, paddle
+from ..plan import INIT, OPTIMIZE, SEND, SUM, CutVar, Exchange, Section
+from .optimize import Reduction, SharedPartial
+from ..ir import np_dtype
+from .programs import (MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var,
+                       declare_merged, declare_var, section_runs, zero_fill)
+from .stages import StageAssignment
+
+PARTIAL_SUFFIX = "@STAGE_PARTIAL"
+
+
+class Exchanges:
+    """Every exchange of a plan, in a fixed order, found by what it carries."""
+
+    def __init__(self, block: framework.Block, partials: list[SharedPartial], reductions: list[Reduction],
+                 assignment: StageAssignment):
+        self.records: list[Exchange] = []
+        self.partial: dict[tuple[str, int], Exchange] = {}  # (partial gradient, its stage) -> exchange
+        self.reduction: dict[int, Exchange] = {}  # op index of a cross-stage sum -> exchange
+        self.value: dict[tuple[str, int], Exchange] = {}  # (shared parameter, reader stage) -> exchange
+        for sp in partials:
+            # received under a name of its own: on a device holding both stages, the sender's buffer
+            # lives in the same scope and must not be replaced by the received copy
+            self.partial[(sp.name, sp.stage)] = self._add(
+                SEND, cut_var(block, sp.name, sp.name + MERGED_SUFFIX), f"{sp.name}{MERGED_SUFFIX}@FROM_STAGE_{sp.stage}",
+                f"partial gradient of shared parameter {sp.param}", sp.stage, sp.owner)
+        for red in reductions:
+            out = block._var_recursive(red.output)
+            part = CutVar(red.output + PARTIAL_SUFFIX, tuple(int(d) for d in out.shape), np_dtype(out), False)
+            self.reduction[red.op] = self._add(SUM, part, red.output, f"cross-stage sum of op #{red.op} "
+                                               f"'{block.ops[red.op].type}'")
+        for param, readers in sorted(assignment.shared.items()):
+            owner = assignment.param_stage[param]
+            for peer in readers:
+                if peer != owner:
+                    self.value[(param, peer)] = self._add(SEND, cut_var(block, param), param,
+                                                          f"new value of shared parameter {param}", owner, peer)
+
+    def _add(self, kind: str, var: CutVar, recv_as: str, why: str, src: int = -1, dst: int = -1) -> Exchange:
+        record = Exchange(len(self.records), kind, (var,), (recv_as,), why, src, dst)
+        self.records.append(record)
+        return record
+
+
+def optimize_section(block: framework.Block, stage: int, device: str, ops: list[int | Reduction],
+                     grads: dict[str, str], merge: dict[str, str], partials: list[SharedPartial],
+                     assignment: StageAssignment, exchanges: Exchanges) -> Section:
+    """Stage ``stage``'s optimize section: ``ops`` (placed by ``place_optimize_ops``) reading the merged
+    gradients, with its exchanges in the order of the module docstring."""
+    prog = paddle.static.Program()
+    dst = prog.global_block()
+    taken: list[int] = []
+
+    def comm(op_type: str, ex: Exchange, var: CutVar, peer: int) -> None:
+        append_comm_op(dst, op_type, var, peer, device, ROLE_OPTIMIZE, None)
+        taken.append(ex.index)
+
+    for g in merge:
+        declare_merged(dst, block, g)
+    owned = {g: g + MERGED_SUFFIX for g, p_ in merge.items() if assignment.param_stage[p_] == stage}
+    for sp in partials:
+        ex = exchanges.partial[(sp.name, sp.stage)]
+        if sp.owner == stage:  # add the other stages' partial sums into the owner's buffer
+            name, g = ex.recv_as[0], block._var_recursive(sp.name)
+            dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=False, stop_gradient=True)
+            comm("recv_v2", ex, cut_var(block, sp.name, name), sp.stage)
+            target = grads[sp.param] + MERGED_SUFFIX
+            append_tagged_op(dst, "elementwise_add", device, ROLE_OPTIMIZE, inputs={"X": [target], "Y": [name]},
+                             outputs={"Out": [target]}, attrs={"axis": -1})
+        elif sp.stage == stage:
+            comm("send_v2", ex, ex.vars[0], sp.owner)
+
+    def read_merged(i: int, desc: core.OpDesc) -> None:
+        for g, merged in owned.items():
+            desc._rename_input(g, merged)
+            desc._rename_output(g, merged)
+
+    for item in ops:
+        if isinstance(item, Reduction):
+            _append_reduction(dst, block, item, device, owned)
+            taken.append(exchanges.reduction[item.op].index)
+        else:
+            copy_ops(dst, block, [item], edit=read_merged)
+    for g in merge:
+        zero_fill(dst, g + MERGED_SUFFIX, device, ROLE_OPTIMIZE)
+    for param, readers in sorted(assignment.shared.items()):
+        owner = assignment.param_stage[param]
+        if owner == stage:
+            for peer in readers:
+                if peer != stage:
+                    ex = exchanges.value[(param, peer)]
+                    comm("send_v2", ex, ex.vars[0], peer)
+        elif stage in readers:
+            ex = exchanges.value[(param, stage)]
+            declare_var(dst, block._var_recursive(param))
+            comm("recv_v2", ex, ex.vars[0], owner)
+    return Section(stage, OPTIMIZE, prog, exchanges=tuple(taken),
+                   source_ops=tuple(item.op if isinstance(item, Reduction) else item for item in ops),
+                   runs=section_runs(prog, OPTIMIZE))
+
+
+def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction, device: str,
+                      owned: dict[str, str]) -> None:
+    """This stage's part of a cross-stage sum: sum the local inputs, then all-reduce into the output."""
+    out = src._var_recursive(red.output)
+    declare_var(dst, out)
+    partial = red.output + PARTIAL_SUFFIX
+    dst.create_var(name=partial, shape=out.shape, dtype=out.dtype, persistable=False)
+    inputs = [owned.get(n, n) for n in red.inputs]
+    for name in red.inputs:
+        if not dst.has_var(owned.get(name, name)):
+            declare_var(dst, src._var_recursive(name))
+    if inputs:
+        append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [partial]})
+    else:
+        zero_fill(dst, partial, device, ROLE_OPTIMIZE)
+    append_tagged_op(dst, "c_allreduce_sum", device, ROLE_OPTIMIZE, inputs={"X": [partial]},
+                     outputs={"Out": [red.output]}, attrs={"ring_id": 0, "use_calc_stream": True})
+
+
+def init_section(block: framework.Block, stage: int, device: str, merge: dict[str, str]) -> Section:
+    """Zero-fills the stage's gradient buffers: once after the startup program, and after a failed step."""
+    prog = paddle.static.Program()
+    dst = prog.global_block()
+    for g in merge:
+        zero_fill(dst, declare_merged(dst, block, g), device, ROLE_OPTIMIZE)
+    return Section(stage, INIT, prog, runs=section_runs(prog, INIT))

@@ -1,0 +1,77 @@
+"""What a user asks of the rewrite, checked once where it enters: ``PlanOptions``.
+
+Why one object: ``PipelineOptimizer`` takes the options when it is constructed (so a bad one fails
+there, as Paddle's optimizers fail), and ``build_plan`` takes them when it is called directly; both go
+through ``PlanOptions``, so every option is checked by one piece of code, once per entry. What can
+only be checked against the program (stage counts) is checked when the plan is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from ..schedule import Action, Kind, Schedule, canonical_name, check_microbatches, get_kind, parse_schedule
+from ..schedule.registry import check_costs
+from ..schedule.simulate import StageCosts
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """``schedule`` is a name (kept as its canonical spelling) or a custom schedule (a dict, or text
+    in ``format_schedule``'s form; ``custom`` holds it parsed)."""
+
+    num_microbatches: int = 1
+    schedule: str | Schedule = "1F1B"
+    micro_batch_size: int | None = None
+    recompute: bool | Iterable[int] = False
+    schedule_costs: StageCosts | None = None
+    dp_degree: int = 1
+
+    def __post_init__(self) -> None:
+        check_microbatches(self.num_microbatches)
+        if self.custom is None:
+            object.__setattr__(self, "schedule", canonical_name(self.schedule))
+        if self.micro_batch_size is not None and (not isinstance(self.micro_batch_size, int)
+                                                  or isinstance(self.micro_batch_size, bool)
+                                                  or self.micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size must be a positive integer or None, got {self.micro_batch_size!r}")
+        if not isinstance(self.dp_degree, int) or isinstance(self.dp_degree, bool) or self.dp_degree < 1:
+            raise ValueError(f"dp_degree must be an integer >= 1, got {self.dp_degree!r}")
+        if self.schedule_costs is not None and self.custom is not None:
+            raise ValueError("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V); a custom schedule "
+                             "gives its own order")
+        self.costs()
+
+    @property
+    def custom(self) -> Schedule | None:
+        """The user-written schedule, or None for a named one."""
+        if isinstance(self.schedule, dict):
+            return self.schedule
+        if isinstance(self.schedule, str) and self.schedule.lstrip().startswith("rank "):
+            return parse_schedule(self.schedule)
+        return None
+
+    def costs(self, num_stages: int | None = None) -> Callable[[Action], float] | None:
+        """The durations a cost-aware schedule plans with (None: unit costs); the per-stage lists'
+        lengths are checked once ``num_stages`` is known."""
+        if self.schedule_costs is None:
+            return None
+        return check_costs(get_kind(self.schedule), self.schedule_costs, num_stages, "schedule_costs")
+
+    def layout_needs(self) -> tuple[bool, bool]:
+        """(several stages per device, the backward split into B and W)."""
+        custom = self.custom
+        if custom is None:
+            kind = get_kind(self.schedule)
+            return kind.chunks != 1, kind.split_backward
+        stage_ranks = {a.stage: rank for rank, acts in custom.items() for a in acts}
+        return len(stage_ranks) > len(custom), any(a.kind is Kind.W for acts in custom.values() for a in acts)
+
+    def recompute_stages(self, num_stages: int) -> frozenset[int]:
+        if self.recompute is True or self.recompute is False:
+            return frozenset(range(num_stages)) if self.recompute else frozenset()
+        stages = frozenset(self.recompute)
+        bad = sorted(s for s in stages if not (isinstance(s, int) and 0 <= s < num_stages))
+        if bad:
+            raise ValueError(f"recompute names stages {bad}, but the program has stages 0..{num_stages - 1}")
+        return stages

@@ -1,0 +1,110 @@
+"""The once-per-step phase of a rank: its optimize sections, run together, with their exchanges.
+
+Each optimize section is a sequence of compute runs with the plan's exchanges between them (see
+``rewrite/optimize_section.py``); a stage's walk through it is a coroutine that pauses wherever it must
+wait: at a receive, or at a cross-stage sum that needs every stage's part.
+
+Why together: one rank may hold several stages (interleaved, ZB-V), run by this one thread. A
+global-norm sum needs every stage's part, and a shared parameter's owner waits for the partial gradient
+of a stage that may sit on the same rank: run one after the other, the first would wait forever for the
+second. So exchanges between local stages are served locally, a cross-stage sum adds the local parts (in
+stage order) and then goes once over the ranks, and only when no local stage can go on does the rank
+wait for another rank.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Generator
+
+from .._paddle import core, np
+from ..ir import tensor_of
+from ..plan import OPTIMIZE, SUM, Exchange
+from ..schedule.actions import OPT
+from .channel import Channel
+from .errors import PipelineAborted, StageError
+
+if TYPE_CHECKING:
+    from .worker import DeviceWorker, StepJob
+
+Waiting = tuple[Exchange, "np.ndarray | None"]  # what a paused stage waits for, and its part of a sum
+
+
+def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ...]) -> None:
+    """Run the optimize sections of this rank's ``stages`` together (module docstring)."""
+    plan = job.plan
+    rank = plan.stages[stages[0]].rank
+    sent: set[int] = set()  # exchanges this rank's stages have sent this step
+    walks = {s: _walk(worker, job, s, sent) for s in stages}
+    waits: dict[int, Waiting] = {}
+
+    def resume(stage: int, reply: Any = None) -> None:
+        try:
+            waits[stage] = walks[stage].send(reply)
+        except StopIteration:
+            waits.pop(stage, None)
+        except PipelineAborted:
+            raise
+        except BaseException as exc:
+            raise StageError(stage, worker.device, OPT(stage), exc) from exc
+
+    for stage in stages:
+        resume(stage)
+    while waits:
+        receiver = next((s for s, (ex, _) in waits.items() if ex.kind != SUM and ex.index in sent), None)
+        sums = {ex.index for ex, _ in waits.values() if ex.kind == SUM}
+        if receiver is None and len(sums) == 1 and all(ex.kind == SUM for ex, _ in waits.values()):
+            parts = [waits[s][1] for s in sorted(waits)]
+            total = job.channel.allreduce(("opt", sums.pop()), rank, sum(parts[1:], parts[0].copy()),
+                                          len(plan.ranks))
+            for stage in sorted(waits):
+                resume(stage, total)
+            continue
+        if receiver is None:  # nothing left to do here: wait for another rank
+            receiver = next((s for s, (ex, _) in waits.items() if ex.kind != SUM
+                             and plan.stages[ex.src].rank != rank), None)
+            if receiver is None:
+                raise RuntimeError(f"the optimize sections of stages {list(stages)} wait for each other: "
+                                   f"{ {s: str(ex) for s, (ex, _) in waits.items()} }")
+        ex = waits[receiver][0]
+        resume(receiver, job.channel.recv(("opt", ex.index), ex.src))
+
+
+def _walk(worker: "DeviceWorker", job: "StepJob", stage: int, sent: set[int]) -> Generator[Waiting, Any, None]:
+    """Stage ``stage``'s optimize section, run by run. Sends go out at once (and into ``sent``); at a
+    receive it yields (the exchange, None) and is resumed with the message, at a sum it yields (the
+    exchange, its part) and is resumed with the total."""
+    plan = job.plan
+    section = plan.stages[stage].sections[OPTIMIZE]
+    if job.channel.replicas > 1:
+        _average_replicas(worker, job.channel, plan.stages[stage].grad_buffers)
+    for k, run in enumerate(section.runs):
+        worker.execute(run, worker.scope)
+        if k == len(section.exchanges):
+            return
+        ex = plan.exchanges[section.exchanges[k]]
+        if ex.kind == SUM:
+            total = yield ex, np.array(tensor_of(worker.scope, ex.vars[0].name, OPT(stage)))
+            worker.scope.var(ex.recv_as[0]).get_tensor().set(total, worker.place)
+        elif ex.src == stage:
+            job.channel.send(("opt", ex.index), {v.name: tensor_of(worker.scope, v.name, OPT(stage))._copy(
+                job.places[ex.dst]) for v in ex.vars}, ex.dst)
+            sent.add(ex.index)
+        else:
+            message = yield ex, None
+            for var, name in zip(ex.vars, ex.recv_as):
+                worker.put(worker.scope, name, message[var.name])
+
+
+def _average_replicas(worker: "DeviceWorker", channel: Channel, buffers: tuple[str, ...]) -> None:
+    """Data parallelism: replace each accumulated gradient by its mean over the replicas, so that every
+    replica applies the gradient of the whole global batch. One all-reduce per dtype, over the
+    buffers flattened together: a message per buffer would cost a round trip each."""
+    scope: core._Scope = worker.scope
+    values = {n: np.array(tensor_of(scope, n, "OPT")) for n in buffers}
+    for dtype in sorted({v.dtype.str for v in values.values()}):
+        names = [n for n, v in values.items() if v.dtype.str == dtype]
+        flat = channel.replica_mean(np.concatenate([values[n].ravel() for n in names]))
+        offset = 0
+        for n in names:
+            size = values[n].size
+            scope.var(n).get_tensor().set(flat[offset:offset + size].reshape(values[n].shape), worker.place)
+            offset += size

@@ -1,0 +1,111 @@
+"""The stages' state: initialising it from the startup program, reading it, writing it.
+
+Parameters and optimizer state live in one root scope per device. The startup program runs once on the
+host (with its device tags removed) and each stage receives the values of its own persistables on its
+own place, so every stage starts from exactly the state one device would. In a job of several processes
+each process holds only its own stages' state; ``gathered_state_dict`` brings it to rank 0, which
+writes checkpoints.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .._paddle import core, framework, np, paddle
+from ..ir import clear_device_tags, np_dtype
+from ..plan import Plan
+from .devices import Devices
+
+
+def run_startup(devices: Devices, startup: framework.Program, plan: Plan) -> None:
+    host = core.Scope()
+    on_host = clear_device_tags(startup.clone())
+    on_host.random_seed = startup.random_seed
+    paddle.static.Executor(core.CPUPlace()).run(on_host, scope=host)
+    for stage in devices.local_stages(plan):
+        worker = devices.worker(stage.device)
+        for name in stage.persistables:
+            var = host.find_var(name)
+            if var is not None and var.get_tensor()._is_initialized():
+                worker.scope.var(name).get_tensor().set(np.array(var.get_tensor()), worker.place)
+        worker.init_stage(stage)
+
+
+def set_learning_rate(devices: Devices, program: framework.Program, plan: Plan) -> None:
+    """Give every stage the scheduler's current learning rate, as Paddle's executor does before each
+    run; the scheduler advances only when ``step()`` is called (by the user or ``lr_step``)."""
+    scheduler = getattr(program, "lr_scheduler", None)
+    if scheduler is None:
+        return
+    name = scheduler._var_name
+    value = np.array([scheduler()], dtype=np_dtype(program.global_block().var(name)))
+    for s in plan.stage_of_var(name):
+        worker = devices.worker(plan.stages[s].device)
+        worker.scope.var(name).get_tensor().set(value, worker.place)
+
+
+def state_dict(devices: Devices, plan: Plan) -> dict[str, np.ndarray]:
+    """Every parameter and optimizer state this process's stages hold (not the gradient buffers)."""
+    state = {}
+    for stage in devices.local_stages(plan):
+        scope = devices.worker(stage.device).scope
+        for name in stage.persistables:
+            var = scope.find_var(name)
+            if name not in stage.grad_buffers and var is not None and var.get_tensor()._is_initialized():
+                state.setdefault(name, np.array(var.get_tensor()))
+    return state
+
+
+def gathered_state_dict(devices: Devices, plan: Plan, step: int) -> dict[str, np.ndarray] | None:
+    """``state_dict`` of every stage, in the process that writes checkpoints: rank 0 of a job of several
+    processes receives the other pipeline ranks' state (the other replicas hold the same bits) and the
+    others return None; in one process, simply ``state_dict``."""
+    state = state_dict(devices, plan)
+    if devices.world is None:
+        return state
+    rank, pipeline = devices.world[0], len(plan.ranks)
+    channel, key = devices.channel_for(plan), ("state", step)
+    if rank == 0:
+        for peer in range(1, pipeline):
+            state.update(channel.recv(key, next(s.index for s in plan.stages if s.rank == peer)))
+        return state
+    if rank < pipeline:
+        channel.send(key, state, 0)
+        channel.flush()
+    return None
+
+
+def set_state_dict(devices: Devices, plan: Plan, state: dict[str, Any], strict: bool = True) -> None:
+    """Write ``state`` (name -> array) into every local stage that holds each name. Names no stage holds
+    are an error, or skipped with ``strict=False``."""
+    unknown = [n for n in state if not plan.stage_of_var(n)]
+    if unknown and strict:
+        raise KeyError(f"set_state_dict: no stage holds {unknown}")
+    local = {st.index for st in devices.local_stages(plan)}
+    for name, value in state.items():
+        for s in plan.stage_of_var(name):
+            if s in local:
+                worker = devices.worker(plan.stages[s].device)
+                worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
+
+
+def copy_stage_state(devices: Devices, program: framework.Program, scope: core._Scope, place: core.Place) -> None:
+    """Copy the values the stages hold into ``scope`` for every persistable of ``program``, so that a
+    program without a plan (an evaluation clone, ``main.clone(for_test=True)``) sees the trained state."""
+    for var in program.list_vars():
+        if not var.persistable:
+            continue
+        for worker in devices.workers.values():
+            found = worker.scope.find_var(var.name)
+            if found is not None and found.get_tensor()._is_initialized():
+                scope.var(var.name).get_tensor().set(np.array(found.get_tensor()), place)
+                break
+
+
+def scope_state(program: framework.Program, scope: core._Scope) -> dict[str, np.ndarray]:
+    """Every initialised persistable of ``program`` that ``scope`` holds."""
+    state = {}
+    for v in program.list_vars():
+        found = scope.find_var(v.name) if v.persistable else None
+        if found is not None and found.get_tensor()._is_initialized():
+            state[v.name] = np.array(found.get_tensor())
+    return state

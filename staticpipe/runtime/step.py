@@ -1,0 +1,194 @@
+"""One pipelined step: a global batch in, every stage's actions run, the fetched values out.
+
+The step splits the batch into micro-batches (after taking this replica's slice when the pipeline is
+data-parallel), hands every local rank its action list on its worker thread, and waits; the first stage
+to fail aborts the channel so that every other worker stops at its next receive, and the step raises
+that stage's error after emptying the gradient buffers the failed step may have touched. Fetched
+per-micro-batch values are merged into the global batch's value.
+
+Runtime state kept here, never in the plan: the micro-batch size a plan's first batch fixes (when the
+plan did not compile one) and what each rank needs besides its actions (``RankProgram``), both worked
+out once per plan.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Any
+
+from .._paddle import core, np
+from ..io import FeedSpec, split_microbatches
+from ..placement import generic_place
+from ..plan import FORWARD, PER_MICROBATCH, OPTIMIZE, Plan
+from .devices import Devices
+from .errors import PipelineAborted
+from .worker import RankProgram, StepJob, StepResult
+
+
+class StepRunner:
+    def __init__(self, devices: Devices):
+        self.devices = devices
+        self.trace = False  # record (action, start, end) of every action of the next steps
+        self.records: list[tuple] = []  # of the last traced step
+        self._bound: dict[Plan, int] = {}  # plan -> the micro-batch size its first step fixed
+        self._programs: dict[Plan, dict[int, RankProgram]] = {}
+        self._places: dict[Plan, dict[int, core.Place]] = {}
+        self._batched: dict[tuple[Plan, str], bool] = {}
+
+    def micro_batch_size(self, plan: Plan) -> int | None:
+        """The plan's compiled micro-batch size, or the one its first step fixed (None before)."""
+        return plan.micro_batch_size or self._bound.get(plan)
+
+    def run(self, plan: Plan, batch: dict[str, Any], fetch: list[str]) -> list:
+        """One step of ``plan`` on the global batch ``batch``; the values of ``fetch`` (None for a value
+        another process computes)."""
+        missing = [n for n in plan.data_vars if n not in batch]
+        extra = [n for n in batch if n not in plan.data_vars]
+        if missing or extra:
+            raise ValueError(f"feed does not match the program's data variables: missing {missing}, "
+                             f"unknown {extra}; expected {sorted(plan.data_vars)}")
+        batch = {n: FeedSpec(n, plan.data_specs[n][0], np.dtype(plan.data_specs[n][1])).convert(v)
+                 for n, v in batch.items()}
+        if plan.dp_degree > 1:
+            batch = self._replica_slice(plan, batch)
+        micro = split_microbatches(batch, plan.num_microbatches)
+        size = len(next(iter(micro[0].values())))
+        expected = self.micro_batch_size(plan)
+        if expected is not None and size != expected:
+            raise ValueError(
+                f"micro-batch size {size} differs from the plan's compiled micro-batch size {expected} (global "
+                f"batch {expected * plan.num_microbatches * plan.dp_degree} with num_microbatches="
+                f"{plan.num_microbatches}); every batch must have the same size")
+        feeds = {st.index: [{n: mb[n] for n in st.sections[FORWARD].feeds} for mb in micro] for st in plan.stages}
+        where, persist = _locate_fetches(plan, fetch)
+        fetched = self._run_actions(plan, feeds, where, size)
+        self._bound.setdefault(plan, size)  # only a step that succeeded fixes it
+        out = []
+        local = {st.index for st in self.devices.local_stages(plan)}
+        for name in fetch:
+            stage = persist[name] if name in persist else plan.producers[name].stage
+            if stage not in local:
+                out.append(None)  # computed by another process
+            elif name in persist:
+                out.append(np.array(self.devices.worker(plan.stages[stage].device).scope.find_var(name).get_tensor()))
+            else:
+                out.append(self._replica_value(plan, name, self._combine(plan, name, fetched[name])))
+        return out
+
+    def _rank_programs(self, plan: Plan) -> dict[int, RankProgram]:
+        programs = self._programs.get(plan)
+        if programs is None:
+            local = self.devices.local_stages(plan)
+            mine = {s.index for s in local}
+            self._places[plan] = {s.index: generic_place(self.devices.place_of(s.device) if s.index in mine
+                                                         else core.CPUPlace()) for s in plan.stages}
+            programs = self._programs[plan] = {r: RankProgram.of(plan, r) for r in sorted({s.rank for s in local})}
+        return programs
+
+    def _run_actions(self, plan: Plan, feeds: dict, fetch: dict, micro_batch_size: int) -> dict[str, list]:
+        programs = self._rank_programs(plan)
+        local = self.devices.local_stages(plan)
+        for stage in local:  # prepared here, in the calling thread, once per run and fetch list
+            worker = self.devices.worker(stage.device)
+            for kind, section in stage.sections.items():
+                for run in section.runs if kind == OPTIMIZE else section.runs[:1] if kind in PER_MICROBATCH else ():
+                    if run.program is not None:
+                        worker.prepare(run, fetch.get((stage.index, kind), ()))
+        channel = self.devices.channel_for(plan)
+        channel.reset()
+        record = None
+        if self.trace:
+            self.records = records = []
+            record = lambda action, start, end: records.append((action, start, end))  # noqa: E731
+        futures = {}
+        for rank, program in programs.items():
+            device = plan.ranks[rank]
+            job = StepJob(plan, program, feeds, fetch, channel, self._places[plan], micro_batch_size, record)
+            futures[self.devices.submit(device, self.devices.worker(device).run_step, job)] = device
+        try:
+            results = _wait(futures, channel)
+            channel.flush()  # a step's messages are all received within the step
+        except BaseException as exc:
+            if self.devices.watchdog is not None:  # the other processes stop instead of waiting for this one
+                self.devices.watchdog.step_failed(exc, ", ".join(sorted({s.device for s in local})))
+            # micro-batches of the failed step may have reached the gradient buffers: empty them so the
+            # next step starts clean
+            for stage in local:
+                self.devices.worker(stage.device).init_stage(stage)
+            raise
+        fetched: dict[str, list] = {}
+        for r in results:
+            fetched.update(r.fetched)
+        return fetched
+
+    def _replica_slice(self, plan: Plan, batch: dict) -> dict:
+        """Data parallelism: replica k trains on the k-th of ``dp_degree`` equal slices of the global batch."""
+        size = len(next(iter(batch.values())))
+        if size % plan.dp_degree:
+            raise ValueError(f"global batch size {size} is not divisible by dp_degree={plan.dp_degree}")
+        return split_microbatches(batch, plan.dp_degree)[self.devices.world[0] // len(plan.ranks)]
+
+    def _replica_value(self, plan: Plan, name: str, value: np.ndarray) -> np.ndarray:
+        """A fetched mean (loss, metric) over the whole global batch: the mean of the replicas' means
+        (equal slices). Batched values stay this replica's rows."""
+        if plan.dp_degree == 1 or self._is_batched(plan, name):
+            return value
+        mean = self.devices.channel_for(plan).replica_mean(np.ascontiguousarray(value))
+        return mean.reshape(np.shape(value))
+
+    def _combine(self, plan: Plan, name: str, values: list[np.ndarray]) -> np.ndarray:
+        """Per-micro-batch values of one step as one value: batched values (dim 0 is -1 in the program)
+        are concatenated; others (mean losses, metrics) are averaged, which equals the full-batch value of
+        a mean over the batch."""
+        if self._is_batched(plan, name):
+            return np.concatenate(values, axis=0)
+        return np.mean(np.stack(values), axis=0).astype(values[0].dtype)
+
+    def _is_batched(self, plan: Plan, name: str) -> bool:
+        """Whether per-micro-batch value ``name`` has the batch as its first dimension (-1 in the program)."""
+        key = (plan, name)
+        if key not in self._batched:
+            ref = plan.producers[name]
+            shape = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name).shape
+            self._batched[key] = len(shape) > 0 and shape[0] == -1
+        return self._batched[key]
+
+
+def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
+    """(per-micro-batch fetches: (stage, section kind) -> names; persistable fetches: name -> stage)."""
+    where: dict[tuple[int, str], tuple[str, ...]] = {}
+    persist: dict[str, int] = {}
+    for name in fetch:
+        ref = plan.producers.get(name)
+        if ref is not None:
+            where[(ref.stage, ref.kind)] = where.get((ref.stage, ref.kind), ()) + (name,)
+        elif plan.stage_of_var(name):
+            persist[name] = plan.stage_of_var(name)[0]
+        else:
+            raise ValueError(f"cannot fetch '{name}': it is not computed by the pipelined program nor "
+                             "part of any stage's state")
+    return where, persist
+
+
+def _wait(futures: dict, channel) -> list[StepResult]:
+    """Wait for every worker; on the first failure abort the rest and raise that stage's error."""
+    pending = set(futures)
+    failure: BaseException | None = None
+    try:
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.1, return_when=cf.FIRST_EXCEPTION)
+            for f in done:
+                exc = f.exception()
+                if exc is not None and not isinstance(exc, PipelineAborted) and failure is None:
+                    failure = exc
+                    channel.abort(str(exc))
+    except BaseException:  # KeyboardInterrupt: stop every worker at its next receive, then re-raise
+        channel.abort("interrupted")
+        cf.wait(pending)
+        raise
+    if failure is None:
+        aborted = [f.exception() for f in futures if f.exception() is not None]
+        if aborted:
+            failure = aborted[0]
+    if failure is not None:
+        raise failure
+    return [f.result() for f in futures]

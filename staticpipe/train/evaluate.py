@@ -1,0 +1,33 @@
+"""``evaluate``: an evaluation program run over a loader as a forward-only pipeline on the trained stages."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .._paddle import framework, np
+from ..ir import var_names
+from ..plan import attach_plan, plan_of
+from ..rewrite import build_forward_plan
+
+if TYPE_CHECKING:
+    from ..executor import Executor
+
+
+def evaluate(exe: "Executor", program: framework.Program, dataset: Any, fetch_list: Sequence,
+             num_microbatches: int = 1, like: framework.Program | None = None) -> list[np.ndarray | None]:
+    """See ``Executor.evaluate``."""
+    if plan_of(program) is None:  # rewritten once; the plan stays on the program
+        trained = plan_of(like) if like is not None else None
+        chunked = trained is not None and len(trained.stages) > len(trained.ranks)
+        attach_plan(build_forward_plan(program, num_microbatches, chunked,
+                                       dp_degree=trained.dp_degree if trained is not None else 1), program)
+    names = var_names(fetch_list)
+    totals, samples = None, 0
+    for batch in dataset.epoch():
+        n = len(next(iter(batch.values())))
+        weighted = [None if v is None else np.asarray(v, dtype=np.float64) * n
+                    for v in exe.run(program, feed=batch, fetch_list=names)]
+        totals = weighted if totals is None else [None if t is None else t + w for t, w in zip(totals, weighted)]
+        samples += n
+    if totals is None:
+        raise ValueError("the evaluation data set gave no batch")
+    return [None if t is None else t / samples for t in totals]  # None: computed by another process
