@@ -54,6 +54,10 @@ class Channel(ABC):
 
 
 class InProcessChannel(Channel):
+    """Workers of one process: a mailbox keyed by message, under one condition. (A slot and event per
+    message, waking only its receiver, measured slower: 48 µs against 40 µs per round trip between two
+    threads, almost all of it the operating system waking a thread.)"""
+
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._box: dict[Hashable, Message] = {}
@@ -102,10 +106,6 @@ class InProcessChannel(Channel):
             self._box.clear()
             self._sums.clear()
             self._aborted = None
-
-    def pending(self) -> list[tuple[int, int]]:
-        with self._cond:
-            return sorted(self._box)
 
     def _check(self) -> None:
         if self._aborted is not None:

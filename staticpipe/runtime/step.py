@@ -33,6 +33,8 @@ class StepRunner:
         self._programs: dict[Plan, dict[int, RankProgram]] = {}
         self._places: dict[Plan, dict[int, core.Place]] = {}
         self._batched: dict[tuple[Plan, str], bool] = {}
+        self._local: dict[Plan, list] = {}  # plan -> the stages this process runs
+        self._prepared: set[tuple] = set()  # (plan, fetch lists) whose runs are prepared
 
     def micro_batch_size(self, plan: Plan) -> int | None:
         """The plan's compiled micro-batch size, or the one its first step fixed (None before)."""
@@ -63,7 +65,7 @@ class StepRunner:
         fetched = self._run_actions(plan, feeds, where, size)
         self._bound.setdefault(plan, size)  # only a step that succeeded fixes it
         out = []
-        local = {st.index for st in self.devices.local_stages(plan)}
+        local = {st.index for st in self._local[plan]}
         for name in fetch:
             stage = persist[name] if name in persist else plan.producers[name].stage
             if stage not in local:
@@ -74,25 +76,31 @@ class StepRunner:
                 out.append(self._replica_value(plan, name, self._combine(plan, name, fetched[name])))
         return out
 
-    def _rank_programs(self, plan: Plan) -> dict[int, RankProgram]:
+    def _rank_programs(self, plan: Plan, fetch: dict) -> dict[int, RankProgram]:
+        """What each local rank runs, worked out on the plan's first step; the runs' prepared contexts,
+        made here in the calling thread for each new fetch list."""
         programs = self._programs.get(plan)
         if programs is None:
-            local = self.devices.local_stages(plan)
+            local = self._local[plan] = self.devices.local_stages(plan)
             mine = {s.index for s in local}
             self._places[plan] = {s.index: generic_place(self.devices.place_of(s.device) if s.index in mine
                                                          else core.CPUPlace()) for s in plan.stages}
             programs = self._programs[plan] = {r: RankProgram.of(plan, r) for r in sorted({s.rank for s in local})}
+        key = (plan, tuple(sorted(fetch.items())))
+        if key not in self._prepared:
+            for stage in self._local[plan]:
+                worker = self.devices.worker(stage.device)
+                for kind, section in stage.sections.items():
+                    runs = section.runs if kind == OPTIMIZE else section.runs[:1] if kind in PER_MICROBATCH else ()
+                    for run in runs:
+                        if run.program is not None:
+                            worker.prepare(run, fetch.get((stage.index, kind), ()))
+            self._prepared.add(key)
         return programs
 
     def _run_actions(self, plan: Plan, feeds: dict, fetch: dict, micro_batch_size: int) -> dict[str, list]:
-        programs = self._rank_programs(plan)
-        local = self.devices.local_stages(plan)
-        for stage in local:  # prepared here, in the calling thread, once per run and fetch list
-            worker = self.devices.worker(stage.device)
-            for kind, section in stage.sections.items():
-                for run in section.runs if kind == OPTIMIZE else section.runs[:1] if kind in PER_MICROBATCH else ():
-                    if run.program is not None:
-                        worker.prepare(run, fetch.get((stage.index, kind), ()))
+        programs = self._rank_programs(plan, fetch)
+        local = self._local[plan]
         channel = self.devices.channel_for(plan)
         channel.reset()
         record = None

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from .._paddle import core, np
 from ..ir import np_dtype, paddle_dtype, tensor_bytes, tensor_of
-from ..plan import BACKWARD, FORWARD, INIT, WEIGHT, CutVar, Plan, Run, Stage
+from ..plan import BACKWARD, FORWARD, INIT, WEIGHT, CutVar, Plan, Run, Section, Stage
 from ..schedule import Action, Kind
 from .channel import Channel
 from .errors import PipelineAborted, StageError
@@ -103,6 +103,7 @@ class DeviceWorker:
         self._free: list[core._Scope] = []
         self.memory: dict[int, MemoryStats] = {}  # stage -> activation memory
         self._held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes kept after its forward
+        self._sizes: dict[tuple[Section, int], tuple[int, int]] = {}  # see _held_bytes
 
     # --- runs ---------------------------------------------------------------------------------------
     def prepare(self, run: Run, fetch: tuple[str, ...] = ()) -> Any:
@@ -136,24 +137,33 @@ class DeviceWorker:
     def run_step(self, job: StepJob) -> StepResult:
         """Run the rank's actions for one step."""
         result = StepResult()
-        program = job.program
+        program, record = job.program, job.record
         scopes: dict[tuple[int, int], core._Scope] = {}
         try:
             for i, action in enumerate(program.actions):
-                started = time.perf_counter()
+                started = time.perf_counter() if record is not None else 0.0
                 try:
                     if action.kind is Kind.OPT:
                         group = program.optimizer_groups.get(action.stage)
                         if group is not None:  # the first of the rank's OPT actions runs them all
                             run_optimizers(self, job, group)
                     else:
-                        self._run_action(job, action, scopes, result)
+                        key = (action.stage, action.microbatch)
+                        scope = scopes.get(key)
+                        if scope is None:
+                            scope = scopes[key] = self._free.pop() if self._free else self.scope.new_scope()
+                        if action.kind is Kind.RECV:
+                            self._recv(job, action, scope)
+                        elif action.kind is Kind.SEND:
+                            self._send(job, action, scope)
+                        else:
+                            self._compute(job, action, scope, result)
                 except (PipelineAborted, StageError):
                     raise
                 except BaseException as exc:
                     raise StageError(action.stage, self.device, action, exc) from exc
-                if job.record is not None:
-                    job.record(action, started, time.perf_counter())
+                if record is not None:
+                    record(action, started, time.perf_counter())
                 if i in program.last_use:
                     self._release(program, action.stage, action.microbatch, scopes.pop((action.stage, action.microbatch)))
         finally:  # a failed step leaves no half-used micro-batch scope behind
@@ -161,36 +171,47 @@ class DeviceWorker:
                 self._release(program, stage, mb, scope)
         return result
 
-    def _run_action(self, job: StepJob, a: Action, scopes: dict, result: StepResult) -> None:
-        key = (a.stage, a.microbatch)
-        scope = scopes.get(key)
-        if scope is None:
-            scope = scopes[key] = self._free.pop() if self._free else self.scope.new_scope()
-        if a.kind is Kind.RECV:
-            for name, value in job.channel.recv((a.route, a.microbatch), a.peer).items():
-                self.put(scope, name, value)
-        elif a.kind is Kind.SEND:
-            route = job.plan.routes[a.route]
-            dst = job.places[route.dst.stage]
-            message = {}
-            for var in route.vars:
-                tensor = tensor_of(scope, var.name, a)
-                _check_cut(var, tensor, job.micro_batch_size)
-                message[var.name] = tensor._copy(dst)
-            job.channel.send((a.route, a.microbatch), message, a.peer)
-        else:
-            kind = SECTION_OF[a.kind]
-            section = job.plan.stages[a.stage].sections[kind]
-            if a.kind is Kind.F:
-                for name, value in job.feeds[a.stage][a.microbatch].items():
-                    scope.var(name).get_tensor().set(value, self.place)
-            names = job.fetch.get((a.stage, kind), ())
-            self.execute(section.run, scope, names)
-            if a.kind is Kind.F:
-                held = self._held[key] = sum(tensor_bytes(scope, n) for n in section.keep)
-                self.memory.setdefault(a.stage, MemoryStats()).add(held, 1)
-            for name in names:
-                result.fetched.setdefault(name, []).append(np.array(tensor_of(scope, name, a)))
+    def _recv(self, job: StepJob, a: Action, scope: core._Scope) -> None:
+        for name, value in job.channel.recv((a.route, a.microbatch), a.peer).items():
+            self.put(scope, name, value)
+
+    def _send(self, job: StepJob, a: Action, scope: core._Scope) -> None:
+        route = job.plan.routes[a.route]
+        dst = job.places[route.dst.stage]
+        message = {}
+        for var in route.vars:
+            tensor = tensor_of(scope, var.name, a)
+            _check_cut(var, tensor, job.micro_batch_size)
+            message[var.name] = tensor._copy(dst)
+        job.channel.send((a.route, a.microbatch), message, a.peer)
+
+    def _compute(self, job: StepJob, a: Action, scope: core._Scope, result: StepResult) -> None:
+        kind = SECTION_OF[a.kind]
+        section = job.plan.stages[a.stage].sections[kind]
+        if a.kind is Kind.F:
+            for name, value in job.feeds[a.stage][a.microbatch].items():
+                scope.var(name).get_tensor().set(value, self.place)
+        names = job.fetch.get((a.stage, kind), ())
+        self.execute(section.run, scope, names)
+        if a.kind is Kind.F:
+            held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, scope)
+            self.memory.setdefault(a.stage, MemoryStats()).add(held, 1)
+        for name in names:
+            result.fetched.setdefault(name, []).append(np.array(tensor_of(scope, name, a)))
+
+    def _held_bytes(self, job: StepJob, forward: Section, scope: core._Scope) -> int:
+        """Bytes ``forward`` left in ``scope`` for the backward. Why not always measured: it costs a few
+        calls into Paddle per kept value (12 µs for 7 values), on the critical path of every forward. So
+        the forwards of the first ``MEASURED_STEPS`` steps at a micro-batch size are measured; if they all
+        agree the size is reused, and a stage whose kept shapes depend on the data (any difference) is
+        measured on every forward."""
+        key = (forward, job.micro_batch_size)
+        known, seen = self._sizes.get(key, (None, 0))
+        if known is not None and known != VARYING and seen >= MEASURED_STEPS * job.plan.num_microbatches:
+            return known
+        held = sum(tensor_bytes(scope, n) for n in forward.keep)
+        self._sizes[key] = (held if known is None else known if held == known else VARYING, seen + 1)
+        return held
 
     def _release(self, program: RankProgram, stage: int, microbatch: int, scope: core._Scope) -> None:
         """Erase what a micro-batch left in its scope, so a reused scope can never serve stale values."""
@@ -201,11 +222,15 @@ class DeviceWorker:
         self._free.append(scope)
 
 
+VARYING = -1  # held bytes that differ between micro-batches: measured every time
+MEASURED_STEPS = 2
+
+
 def _check_cut(var: CutVar, tensor: core.LoDTensor, micro_batch_size: int | None) -> None:
     """A cut variable must keep its compiled shape and dtype: a receiver in another process relies on it."""
     got = tuple(tensor.shape())
     want = var.shape_for(micro_batch_size)
-    if len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got)):
+    if got != want and (len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got))):
         raise ValueError(f"cut variable '{var.name}' has shape {list(got)}, but the plan compiled "
                          f"{list(want)}")
     if tensor._dtype() != paddle_dtype(var.dtype):
