@@ -62,8 +62,8 @@ def main() -> None:
         opt.minimize(net.loss)
     exe = staticpipe.Executor(trace=True)
     exe.run(net.startup)
-    history = exe.train_from_dataset(net.main, loader(args.batch, args.batch * args.steps), fetch_list=[net.loss],
-                                     print_period=2)
+    history = exe.train_from_dataset(net.main, loader(micro, args.batch * args.steps), fetch_list=[net.loss],
+                                     print_period=2)  # a loader batch is one micro-batch
     busy = exe.timeline(net.main).busy()
     print(f"loss {float(history[0][0]):.4f} -> {float(history[-1][0]):.4f}; last step's busy time per stage: "
           + ", ".join(f"{b:.3f} s" for b in busy.values())

@@ -54,12 +54,14 @@ def train(args: argparse.Namespace) -> None:
     plan = staticpipe.plan_of(main)
     print(plan)
     features, label = main.global_block().var("features"), main.global_block().var("label")
-    loader = staticpipe.io.DataLoader.from_generator(feed_list=[features, label], capacity=8)
-    loader.set_batch_generator(argmax_batches(args.steps, args.batch, features.shape[1], args.classes))
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=[features, label], capacity=8, iterable=False)
+    # a loader batch is one micro-batch (Paddle's pipeline convention): --batch is the global batch
+    loader.set_batch_generator(argmax_batches(args.steps * plan.num_microbatches, args.batch // plan.num_microbatches,
+                                              features.shape[1], args.classes))
     exe = staticpipe.Executor()
     exe.run(startup)
     loader.start()
-    history = exe.train_from_dataset(main, loader, fetch_list=[plan.loss], print_period=5, lr_step="step")
+    history = exe.train_from_dataset(main, fetch_list=[plan.loss], print_period=5, lr_step="step")
     loader.reset()
     exe.close()
     if history[-1][0] is not None:  # under staticpipe.launch only the last stage's process has the loss

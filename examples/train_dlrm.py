@@ -32,7 +32,8 @@ def main() -> None:
         opt.minimize(net.loss)
     print(opt.plan)
     loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=8, iterable=True)
-    loader.set_sample_generator(net.sample_reader(args.batch * args.steps), batch_size=args.batch)
+    # a loader batch is one micro-batch (Paddle's pipeline convention): --batch is the global batch
+    loader.set_sample_generator(net.sample_reader(args.batch * args.steps), batch_size=args.batch // args.microbatches)
     exe = staticpipe.Executor()
     exe.run(net.startup)
     history = exe.train_from_dataset(net.main, loader, fetch_list=[net.loss], print_period=10)

@@ -40,8 +40,9 @@ def main() -> None:
     print(opt.plan)
 
     def loader(steps: int):
+        """Micro-batches, as Paddle's pipeline takes a loader's batches: --batch is the global batch."""
         ld = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=8, iterable=True)
-        return ld.set_sample_generator(net.sample_reader(args.batch * steps), batch_size=args.batch)
+        return ld.set_sample_generator(net.sample_reader(args.batch * steps), batch_size=args.batch // args.microbatches)
 
     print(staticpipe.verify(net.main, loader(3), net.startup, steps=3))
     exe = staticpipe.Executor()

@@ -1,7 +1,8 @@
 """Pipelined training of an MLP on two CPU "devices" (or GPUs, when CUDA is present).
 
 The main job of the README: builds the network under device guards, rewrites it into a 2-stage 1F1B
-pipeline with 8 micro-batches, trains from a generator data loader and prints throughput.
+pipeline with 8 micro-batches, trains from a generator data loader as Paddle's pipeline does (the loader
+gives micro-batches; ``train_from_dataset(main)`` reads the started loader) and prints throughput.
 
     python examples/train_mlp.py [--stages 2] [--microbatches 8] [--schedule 1F1B] [--steps 30]
     python -m staticpipe.launch --nprocs 4 examples/train_mlp.py --dp-degree 2   # 2 replicas x 2 stages
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--schedule", default="1F1B")
-    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=512, help="global batch: micro-batches x micro-batch size")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=4)
@@ -54,13 +55,16 @@ def main() -> None:
         opt.minimize(net.loss)
     print(opt.plan)
 
-    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=8)
-    loader.set_sample_generator(teacher_reader(args.batch * args.steps, args.width), batch_size=args.batch)
+    if args.batch % args.microbatches:
+        ap.error(f"--batch {args.batch} is not a multiple of --microbatches {args.microbatches}")
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=8, iterable=False)
+    loader.set_sample_generator(teacher_reader(args.batch * args.steps, args.width),
+                                batch_size=args.batch // args.microbatches)  # a loader batch is a micro-batch
     exe = staticpipe.Executor()
     exe.run(net.startup)
     loader.start()
     start = time.perf_counter()
-    history = exe.train_from_dataset(net.main, loader, fetch_list=[net.loss, net.outputs["accuracy"]],
+    history = exe.train_from_dataset(net.main, fetch_list=[net.loss, net.outputs["accuracy"]],
                                      fetch_info=["loss", "accuracy"], print_period=5)
     elapsed = time.perf_counter() - start
     loader.reset()

@@ -11,85 +11,158 @@ from typing import Any, Sequence
 
 from ._paddle import core, framework, np, paddle
 from .ir import var_names
-from .placement import place_of
-from .plan import FORWARD_ONLY, Plan, is_startup, plan_of, require_plan
+from .placement import SPLIT_POINTS, parse_device, place_of
+from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
+from .rewrite import build_forward_plan
 from .runtime import state
 from .runtime.devices import Devices
 from .runtime.step import StepRunner
 from .trace import Timeline
-from .train import evaluate, train_from_dataset
+from .train import Options, evaluate, infer_from_dataset, loader_for, take_step, train_from_dataset
 
 
 class Executor:
-    """Pipeline executor with the calls of ``paddle.static.Executor`` that training needs.
+    """Pipeline executor with the calls of ``paddle.static.Executor``.
 
-    ``place`` is where unsplit programs run (default: GPU 0 with CUDA, else CPU). ``threads_per_stage``
-    is each CPU stage worker's intra-op thread budget: one number for all, or ``{device: threads}``
-    (devices not named get 1). ``trace`` records the start and end of every action; ``timeline``
-    returns the last step's.
+    ``place``: what ``paddle.static.Executor`` accepts -- ``paddle.CPUPlace()``, ``paddle.CUDAPlace(k)``,
+    "cpu", "gpu", "gpu:k" or None (GPU 0 with CUDA, else the CPU) -- and where *unsplit* programs run (an
+    evaluation clone, a program without guards). A pipelined program's stages run where their
+    ``device_guard`` says, each on a worker of its own; the startup program runs once on the host and
+    each stage receives its values. ``device_map``: run pipeline devices elsewhere, e.g.
+    ``{"gpu:1": "gpu:0"}`` runs a two-GPU pipeline on one GPU (two workers there); default: the
+    ``STATICPIPE_DEVICE_MAP`` environment variable ("gpu:1=gpu:0"). ``threads_per_stage`` is each CPU
+    stage worker's intra-op thread budget: one number for all, or ``{device: threads}`` (devices not
+    named get 1). ``trace`` records the start and end of every action; ``timeline`` returns the last step's.
     """
 
-    def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1, trace: bool = False):
-        self._devices = Devices(threads_per_stage)
+    def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1, trace: bool = False,
+                 device_map: dict[str, str] | None = None):
+        self.place = _executor_place(place)
+        self._devices = Devices(threads_per_stage, device_map)
         self._steps = StepRunner(self._devices)
-        self.place = place if place is not None else place_of("gpu:0")
         self._plain = paddle.static.Executor(self.place)
         self._plain_scope = core.Scope()
+        self._forward_twins: dict[Plan, framework.Program] = {}  # training plan -> its forward-only twin
         self.trace = trace
-        self.global_step = 0  # training steps run (restored by staticpipe.load)
 
+    global_step = property(lambda self: self._steps.global_step,
+                           lambda self, step: setattr(self._steps, "global_step", int(step)),
+                           doc="Training steps run (restored by ``staticpipe.load``).")
     trace = property(lambda self: self._steps.trace,
                      lambda self, on: setattr(self._steps, "trace", bool(on)),
                      doc="Record the start and end of every action of the following steps (``timeline``).")
 
     # --- run ----------------------------------------------------------------------------------------
-    def run(self, program: framework.Program | None = None, feed: dict | None = None,
-            fetch_list: Sequence | None = None, return_numpy: bool = True) -> list:
-        """Run ``program`` once.
+    def run(self, program: framework.Program | None = None, feed: dict | list | None = None,
+            fetch_list: Sequence | None = None, feed_var_name: str = "feed", fetch_var_name: str = "fetch",
+            scope: Any = None, return_numpy: bool = True, use_program_cache: bool = False,
+            use_prune: bool = False) -> list:
+        """Run ``program`` once (Paddle's signature).
 
         - a startup program of a pipelined program: initialise once on the host, then give each stage
           its parameters and state on its own place;
-        - a pipelined main program: one training step on the global batch ``feed``;
-        - any other program: plain Paddle execution on ``place``, with the parameters and state the
-          stages hold (so an evaluation clone of a pipelined program sees the trained values).
+        - a pipelined main program: one training step on the global batch ``feed`` (a dict, or Paddle's
+          one-element list of it), split into the plan's micro-batches; with no feed, one step of
+          ``num_microbatches`` batches from the started loader feeding the program (Paddle's loader
+          convention), raising ``core.EOFException`` at the end of its epoch. Values come back as numpy
+          arrays; ``scope`` must be None (each device keeps its own);
+        - any other program: plain Paddle execution on ``place`` with the state the stages hold (so an
+          evaluation clone of a pipelined program sees the trained values), every argument as Paddle's.
         """
         program = program if program is not None else paddle.static.default_main_program()
         plan = plan_of(program)
         if plan is not None and is_startup(program):
             state.run_startup(self._devices, program, plan)
             return []
-        if plan is not None:
-            state.set_learning_rate(self._devices, program, plan)
-            values = self._steps.run(plan, feed or {}, var_names(fetch_list))
-            if plan.schedule != FORWARD_ONLY:
-                self.global_step += 1
-            return values
-        state.copy_stage_state(self._devices, program, self._plain_scope, self.place)
-        return self._plain.run(program, feed=feed, fetch_list=fetch_list, scope=self._plain_scope,
-                               return_numpy=return_numpy)
+        if plan is None:
+            scope = scope if scope is not None else self._plain_scope
+            state.copy_stage_state(self._devices, program, scope, self.place)
+            return self._plain.run(program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
+                                   use_program_cache, use_prune)
+        if scope is not None:
+            raise ValueError("scope must be None for a pipelined program: each device keeps its own scope "
+                             "(Executor.scope_of(device))")
+        feed = _one_feed(feed)
+        if not feed and plan.data_vars:
+            loader = loader_for(program, plan, None, "Executor.run")
+            return self.step(program, take_step(loader, plan.num_microbatches), fetch_list)
+        return self._pipelined(program, plan, fetch_list, lambda names: self._steps.run(plan, feed, names))
 
-    def train_from_dataset(self, program: framework.Program, dataset: Any = None, scope: Any = None,
+    def step(self, program: framework.Program, microbatches: list[dict], fetch_list: Sequence | None = None) -> list:
+        """One step of pipelined ``program`` on ``microbatches`` (``num_microbatches`` batches, as a loader
+        gives them); the fetched values, merged over the micro-batches."""
+        plan = require_plan(program, "step")
+        return self._pipelined(program, plan, fetch_list,
+                               lambda names: self._steps.run_microbatches(plan, list(microbatches), names))
+
+    def _pipelined(self, program: framework.Program, plan: Plan, fetch_list: Sequence | None, run: Any) -> list:
+        state.set_learning_rate(self._devices, program, plan)
+        return run(var_names(fetch_list))
+
+    def train_from_dataset(self, program: framework.Program | None = None, dataset: Any = None, scope: Any = None,
                            thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,
                            fetch_info: Sequence[str] | None = None, print_period: int = 100,
-                           lr_step: str | None = None, checkpoint_dir: str | None = None,
-                           checkpoint_every: int | None = None, keep_last: int = 3) -> list[list]:
-        """Train ``program`` on one epoch of ``dataset`` (a ``staticpipe.io.DataLoader``).
+                           fetch_handler: Any = None, *, lr_step: str | None = None,
+                           checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                           keep_last: int = 3) -> list[list]:
+        """Train ``program`` (default: the default main program) on one epoch of ``dataset``, or of the
+        started loader feeding it, as Paddle's pipeline does: each loader batch is one micro-batch and a
+        step takes ``num_microbatches`` of them; batches left at the end that do not fill a step are not
+        trained on (a message says so). Prints the micro-batch size and global batch once.
 
-        Returns the fetched values of every step (a list per step, in ``fetch_list`` order). ``thread``
-        is accepted for Paddle compatibility (each stage has its own worker already); ``scope`` must be
-        None because parameters live in one scope per device (see ``scope_of``). With ``debug`` (or an
-        executor created with ``trace=True``) each step is traced and its timeline summary -- step time,
-        measured bubble, the schedule's bound, busy time per rank -- is logged every ``print_period``
-        steps and after the last. ``lr_step`` advances the program's learning-rate scheduler
-        after every step ("step") or after the epoch ("epoch"); None leaves ``scheduler.step()`` to you.
-        ``checkpoint_dir``: save a checkpoint (``staticpipe.save``) named ``step-<global step>`` there
-        every ``checkpoint_every`` steps and after the epoch, keeping the last ``keep_last``.
+        Paddle's arguments, with Paddle's meaning: ``fetch_list`` values are printed every
+        ``print_period`` steps, labelled by ``fetch_info``; ``fetch_handler`` (a ``FetchHandler``) is
+        called with the values of its ``var_dict`` every ``period_secs``; ``debug`` traces each step and
+        prints its timeline summary (step time, bubble, bound, busy time per rank). ``thread`` is accepted
+        and ignored (each stage has its own worker thread); ``scope`` must be None (one scope per device,
+        ``scope_of``). Returns the fetched values of every step (a list per step, in ``fetch_list`` order).
+
+        staticpipe's own: ``lr_step`` advances the learning-rate scheduler after every step ("step") or
+        after the epoch ("epoch"); None leaves ``scheduler.step()`` to you. ``checkpoint_dir``: save a
+        checkpoint (``staticpipe.save``) named ``step-<global step>`` there every ``checkpoint_every`` steps
+        and after the epoch, keeping the last ``keep_last``.
         """
+        program = self._program(program, scope, thread)
+        options = Options(fetch_list, fetch_info, print_period, debug, fetch_handler, lr_step, checkpoint_dir,
+                          checkpoint_every, keep_last)
+        return train_from_dataset(self, program, dataset, options)
+
+    def infer_from_dataset(self, program: framework.Program | None = None, dataset: Any = None, scope: Any = None,
+                           thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,
+                           fetch_info: Sequence[str] | None = None, print_period: int = 100,
+                           fetch_handler: Any = None) -> list[list]:
+        """Run the pipelined forward of ``program`` over one epoch of ``dataset`` (or the started loader
+        feeding it), in steps of ``num_microbatches`` loader batches, updating nothing (Paddle's
+        ``infer_from_dataset``). A training program runs as its ``clone(for_test=True)`` on the same
+        stages; an evaluation program (no backward) as it is. Arguments as ``train_from_dataset``."""
+        program = self._program(program, scope, thread)
+        options = Options(fetch_list, fetch_info, print_period, debug, fetch_handler)
+        return infer_from_dataset(self, program, self._forward_twin(program), dataset, options)
+
+    def _program(self, program: framework.Program | None, scope: Any, thread: Any) -> framework.Program:
         if scope is not None:
-            raise ValueError("scope must be None: staticpipe keeps one scope per device "
-                             "(Executor.scope_of(device))")
-        return train_from_dataset(self, program, dataset, fetch_list, fetch_info, print_period, debug, lr_step,
-                                  checkpoint_dir, checkpoint_every, keep_last)
+            raise ValueError("scope must be None: staticpipe keeps one scope per device (Executor.scope_of(device))")
+        if not isinstance(thread, int) or isinstance(thread, bool) or thread < 0:
+            raise ValueError(f"thread must be an integer >= 0 (it is ignored: each stage has its own worker), "
+                             f"got {thread!r}")
+        return program if program is not None else paddle.static.default_main_program()
+
+    def _forward_twin(self, program: framework.Program) -> framework.Program:
+        """``program`` if it is forward-only (planned on first use), else its forward-only twin on the
+        same stages, built once per training plan."""
+        plan = plan_of(program)
+        if plan is None:
+            attach_plan(build_forward_plan(program), program)
+            return program
+        if plan.schedule == FORWARD_ONLY:
+            return program
+        if plan not in self._forward_twins:
+            twin = program.clone(for_test=True)
+            setattr(twin, SPLIT_POINTS, set(getattr(program, SPLIT_POINTS, ())))  # forward op indices are kept
+            attach_plan(build_forward_plan(twin, plan.num_microbatches, len(plan.stages) > len(plan.ranks),
+                                           dp_degree=plan.dp_degree), twin)
+            self._forward_twins[plan] = twin
+        return self._forward_twins[plan]
 
     def evaluate(self, program: framework.Program, dataset: Any, fetch_list: Sequence,
                  num_microbatches: int = 1, like: framework.Program | None = None) -> list[np.ndarray]:
@@ -97,7 +170,9 @@ class Executor:
         trained stages and return each fetched value averaged over all samples (batches weighted by
         their size), which equals single-device evaluation of means such as loss and accuracy (None
         in a process of a launched job that does not compute it; with data parallelism each replica
-        evaluates its slice of every batch and the means are averaged over the replicas).
+        evaluates its slice of every batch and the means are averaged over the replicas). Each loader
+        batch is one evaluation step of ``num_microbatches`` micro-batches; a last, smaller batch is
+        evaluated too.
 
         ``program``: ``main.clone(for_test=True)`` taken before ``minimize``; it is rewritten once
         (the plan is kept on it). ``like``: the training program, whose chunking it follows.
@@ -160,6 +235,28 @@ class Executor:
 
     def close(self) -> None:
         self._devices.close()
+
+
+def _executor_place(place: Any) -> core.Place:
+    """The place of unsplit programs from what ``paddle.static.Executor`` accepts."""
+    if place is None:
+        return place_of("gpu:0")
+    if isinstance(place, str):
+        return place_of(str(parse_device(place)))
+    if isinstance(place, (core.Place, core.CPUPlace, core.CUDAPlace, core.CUDAPinnedPlace)):
+        return place
+    raise ValueError(f"place must be a Paddle place (paddle.CPUPlace(), paddle.CUDAPlace(k)), a device string "
+                     f"('cpu', 'gpu', 'gpu:k') or None, got {type(place).__name__}: {place!r}")
+
+
+def _one_feed(feed: dict | list | tuple | None) -> dict:
+    """Paddle's feed forms for one device: a dict, or a list holding one dict per place."""
+    if isinstance(feed, (list, tuple)):
+        if len(feed) != 1:
+            raise ValueError(f"a list feed holds one dict per place; a pipeline takes one global batch, got a list of "
+                             f"{len(feed)}: pass one dict (or Executor.step(program, micro-batches))")
+        feed = feed[0]
+    return feed or {}
 
 
 __all__ = ["Executor"]

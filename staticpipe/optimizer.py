@@ -6,6 +6,7 @@ training would, so the main program stays a valid single-device program (the ref
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ._paddle import framework, paddle
@@ -43,10 +44,18 @@ class PipelineOptimizer:
         self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree)
         self.plan: Plan | None = None
 
-    num_microbatches = property(lambda self: self.options.num_microbatches)
-    schedule = property(lambda self: self.options.schedule)
-    micro_batch_size = property(lambda self: self.options.micro_batch_size)
-    dp_degree = property(lambda self: self.options.dp_degree)
+    def _option(name: str) -> property:  # noqa: N805  (a property factory, used in the class body)
+        """An option as an attribute; setting it checks the new options as the constructor does."""
+        return property(lambda self: getattr(self.options, name),
+                        lambda self, value: setattr(self, "options", replace(self.options, **{name: value})))
+
+    num_microbatches = _option("num_microbatches")
+    schedule = _option("schedule")
+    micro_batch_size = _option("micro_batch_size")
+    recompute = _option("recompute")
+    dp_degree = _option("dp_degree")
+    schedule_costs = _option("schedule_costs")
+    del _option
 
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
                  parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:

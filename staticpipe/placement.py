@@ -122,8 +122,40 @@ def place_of(device: str, launched: bool = False) -> core.Place:
     if launched and process_gpu() is not None:
         return core.CUDAPlace(process_gpu())
     if dev.index >= count:
-        raise ValueError(f"device {device!r} does not exist: CUDA reports {count} GPU(s) (gpu:0..gpu:{count - 1})")
+        raise ValueError(f"device {device!r} does not exist: CUDA reports {count} GPU(s) (gpu:0..gpu:{count - 1}); "
+                         f"run it on another with Executor(device_map={{{device!r}: 'gpu:0'}}) or "
+                         f"{DEVICE_MAP_ENV}={device}=gpu:0")
     return core.CUDAPlace(dev.index)
+
+
+DEVICE_MAP_ENV = "STATICPIPE_DEVICE_MAP"  # "gpu:1=gpu:0,gpu:3=gpu:1": run these pipeline devices elsewhere
+
+
+def device_map(mapping: dict[str, str] | None = None) -> dict[str, str]:
+    """Which device runs each pipeline device named in ``mapping`` (``{"gpu:1": "gpu:0"}``: the stages
+    guarded "gpu:1" run on GPU 0, still on a worker of their own), or else in the environment variable
+    ``STATICPIPE_DEVICE_MAP`` ("gpu:1=gpu:0,gpu:2=gpu:0"). Both sides are device strings, normalised;
+    ``ValueError`` names the entry at fault."""
+    source = "device_map"
+    if mapping is None:
+        text = os.environ.get(DEVICE_MAP_ENV, "").strip()
+        if not text:
+            return {}
+        source, mapping = DEVICE_MAP_ENV, {}
+        for entry in text.split(","):
+            if entry.count("=") != 1:
+                raise ValueError(f"{DEVICE_MAP_ENV}={text!r}: entry {entry!r} is not 'device=device' (e.g. gpu:1=gpu:0)")
+            key, value = entry.split("=")
+            mapping[key.strip()] = value.strip()
+    if not isinstance(mapping, dict):
+        raise ValueError(f"device_map must be a dict {{pipeline device: device}}, got {type(mapping).__name__}")
+    parsed = {}
+    for key, value in mapping.items():
+        try:
+            parsed[str(parse_device(key))] = str(parse_device(value))
+        except ValueError as exc:
+            raise ValueError(f"{source} entry {key!r}: {value!r}: {exc}") from None
+    return parsed
 
 
 def generic_place(place: core.Place) -> core.Place:

@@ -13,7 +13,8 @@ first batch fixes, the step count) is runtime state, never a later assignment to
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     from ._paddle import paddle
@@ -96,7 +97,8 @@ class Exchange:
 
     ``SEND``: stage ``src`` sends ``vars`` (its names) to stage ``dst``, which stores them as ``recv_as``.
     ``SUM``: every stage gives its part ``vars[0]`` and stores the sum over all stages as ``recv_as[0]``
-    (added in stage order, so every stage holds the same bits). ``why`` says what it is for.
+    (a rank adds its own stages' parts in stage order, then the ranks' sums are added in rank order, so
+    every stage holds the same bits). ``why`` says what it is for.
     """
 
     index: int
@@ -106,9 +108,6 @@ class Exchange:
     why: str
     src: int = -1
     dst: int = -1
-
-    def involves(self, stage: int) -> bool:
-        return self.kind == SUM or stage in (self.src, self.dst)
 
     def __str__(self) -> str:
         if self.kind == SUM:
@@ -148,6 +147,7 @@ class Section:
     exchanges: tuple[int, ...] = ()  # optimize: the plan's exchanges this section takes part in, in order
     source_ops: tuple[int, ...] = ()  # indices of the user program's ops this section runs
     recomputed_ops: tuple[int, ...] = ()  # forward ops run a second time here (recompute)
+    comm_ops: tuple[int, ...] = ()  # indices of the program's send/recv/all-reduce ops the rewrite made
     runs: tuple[Run, ...] = ()  # compute-only programs: one, or len(exchanges) + 1 for optimize
 
     @property
@@ -168,11 +168,14 @@ class Stage:
     index: int
     device: str
     rank: int  # the worker (device) that runs this stage
-    sections: dict[str, Section] = field(default_factory=dict)
+    sections: Mapping[str, Section] = field(default_factory=dict)
     parameters: tuple[str, ...] = ()
     persistables: tuple[str, ...] = ()  # every persistable variable this stage reads or writes
     grad_buffers: tuple[str, ...] = ()  # per-step gradient accumulators (not part of the state)
     recompute: bool = False  # forward activations are recomputed in the backward section
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sections", MappingProxyType(dict(self.sections)))
 
     @property
     def loaded(self) -> bool:
@@ -189,18 +192,26 @@ class Plan:
     routes: tuple[Route, ...]
     num_microbatches: int
     schedule: str
-    actions: dict[int, list]  # rank -> list of schedule Actions (with SEND/RECV)
+    actions: Mapping[int, tuple]  # rank -> schedule Actions (with SEND/RECV)
     ranks: tuple[str, ...]  # rank -> device; a device may hold several stages
-    data_vars: dict[str, tuple[int, ...]]  # data variable -> stages that read it
-    data_specs: dict[str, tuple[tuple[int, ...], str]]  # data variable -> (shape, dtype)
+    data_vars: Mapping[str, tuple[int, ...]]  # data variable -> stages that read it
+    data_specs: Mapping[str, tuple[tuple[int, ...], str]]  # data variable -> (shape, dtype)
     loss: str
-    producers: dict[str, SectionRef] = field(default_factory=dict)  # per-micro-batch var -> its section
-    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)  # shared parameter -> stages reading it
-    replicated: dict[int, str] = field(default_factory=dict)  # user op index -> why every stage runs it
+    producers: Mapping[str, SectionRef] = field(default_factory=dict)  # per-micro-batch var -> its section
+    shared: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # shared parameter -> stages reading it
+    replicated: Mapping[int, str] = field(default_factory=dict)  # user op index -> why every stage runs it
     exchanges: tuple[Exchange, ...] = ()  # once-per-step messages of the optimize sections
     micro_batch_size: int | None = None  # compiled at rewrite time; None: fixed by the first batch
     notes: tuple[str, ...] = ()
     dp_degree: int = 1  # data-parallel replicas of the whole pipeline (one process per stage rank each)
+
+    def __post_init__(self) -> None:
+        """Every container read-only: the plan is shared by every worker, evaluation and saved copy."""
+        for name in ("stages", "routes", "ranks", "exchanges", "notes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "actions", _frozen({r: tuple(acts) for r, acts in self.actions.items()}))
+        for name in ("data_vars", "data_specs", "producers", "shared", "replicated"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     @property
     def num_stages(self) -> int:
@@ -263,6 +274,10 @@ class Plan:
         for rank, acts in sorted(self.actions.items()):
             lines.append(f"    rank {rank} ({self.ranks[rank]}): {' '.join(str(a) for a in acts)}")
         return "\n".join(lines)
+
+
+def _frozen(mapping: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    return MappingProxyType(dict(mapping))
 
 
 PLAN_ATTR = "_staticpipe_plan"  # the attribute PipelineOptimizer.minimize sets on main and startup programs

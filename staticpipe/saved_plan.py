@@ -21,12 +21,13 @@ import json
 import os
 import pickle
 from dataclasses import fields
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from ._paddle import framework, paddle
 from .checkpoint import atomic_directory, recover_directory
 from .placement import launched_world
-from .plan import CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of, require_plan
+from .plan import (OPTIMIZE, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of,
+                   require_plan)
 from .rewrite import section_runs
 from .schedule import format_schedule, lower, parse_schedule
 from .schedule.actions import COMM_KINDS, Schedule
@@ -94,7 +95,9 @@ def _write(directory: str, name: str, data: bytes) -> None:
 
 
 def _fields(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in fields(obj) if f.name not in skip}
+    """A dataclass's fields, read-only mappings as dicts (what JSON holds)."""
+    return {f.name: dict(v) if isinstance(v := getattr(obj, f.name), Mapping) else v
+            for f in fields(obj) if f.name not in skip}
 
 
 def _encode_plan(plan: Plan) -> dict[str, Any]:
@@ -205,7 +208,7 @@ def _decode_plan(data: dict[str, Any], plan_file: str,
         routes = tuple(Route(r["index"], SectionRef(**r["src"]), SectionRef(**r["dst"]),
                              tuple(CutVar(**_tuples(v)) for v in r["vars"])) for r in data["routes"])
         decoded = dict(
-            stages=tuple(_decode_stage(st, read) for st in data["stages"]),
+            stages=tuple(_decode_stage(st, read, plan_file) for st in data["stages"]),
             routes=routes,
             exchanges=tuple(Exchange(**_tuples({k: v for k, v in ex.items() if k != "vars"}),
                                      vars=tuple(CutVar(**_tuples(v)) for v in ex["vars"])) for ex in data["exchanges"]),
@@ -223,12 +226,16 @@ def _decode_plan(data: dict[str, Any], plan_file: str,
         raise ValueError(f"{plan_file!r} lacks the plan field {exc}") from None
 
 
-def _decode_stage(data: dict[str, Any], read: Callable[[int, str], framework.Program | None]) -> Stage:
+def _decode_stage(data: dict[str, Any], read: Callable[[int, str], framework.Program | None], plan_file: str) -> Stage:
     sections = {}
     for kind, sec in data["sections"].items():
         fields_ = _tuples(sec)
         program = read(data["index"], kind)
-        runs = () if program is None else section_runs(program, kind, fields_["keep"])
+        if len(fields_["exchanges"]) != (len(fields_["comm_ops"]) if kind == OPTIMIZE else 0):
+            raise ValueError(f"{plan_file!r}: the stage {data['index']} {kind} section has "
+                             f"{len(fields_['exchanges'])} exchanges but "
+                             f"{len(fields_['comm_ops'])} communication ops")
+        runs = () if program is None else section_runs(program, kind, fields_["keep"], fields_["comm_ops"])
         sections[kind] = Section(program=program, runs=runs, **fields_)
     return Stage(**_tuples({k: v for k, v in data.items() if k != "sections"}), sections=sections)
 

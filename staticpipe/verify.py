@@ -107,7 +107,9 @@ def verify(program: framework.Program, loader: Any, startup_program: framework.P
     """Train ``program`` pipelined and unsplit for ``steps`` batches from the same state; report how far
     they drift and whether the plan placed everything.
 
-    ``loader``: a ``staticpipe.io.DataLoader`` (started, if non-iterable) or a list of feed dicts.
+    ``loader``: a ``staticpipe.io.DataLoader`` (started, if non-iterable), whose batches are micro-batches
+    (a step takes ``num_microbatches`` of them, as in training), or a list of feed dicts, each a global
+    batch.
     The initial state is ``startup_program``'s, or ``executor``'s current state when given (that
     executor is not changed). A learning-rate scheduler is used at its current value in both runs,
     advanced per step, and restored afterwards.
@@ -119,9 +121,15 @@ def verify(program: framework.Program, loader: Any, startup_program: framework.P
     plan = require_plan(program, "verify")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    batches = list(itertools.islice(loader.epoch() if hasattr(loader, "epoch") else iter(loader), steps))
+    if hasattr(loader, "epoch"):
+        m = plan.num_microbatches
+        micro = list(itertools.islice(loader.epoch(), steps * m))
+        batches = [{n: np.concatenate([mb[n] for mb in micro[k:k + m]]) for n in micro[0]}
+                   for k in range(0, len(micro) - m + 1, m)]
+    else:
+        batches = list(itertools.islice(iter(loader), steps))
     if len(batches) < steps:
-        raise ValueError(f"the loader gave {len(batches)} batches; verify was asked for {steps} steps")
+        raise ValueError(f"the loader gave batches for {len(batches)} step(s); verify was asked for {steps} steps")
     pipe = Executor()
     pipe.run(startup_program)
     if executor is not None:

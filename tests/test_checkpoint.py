@@ -155,7 +155,7 @@ def test_resume_in_a_new_process_is_bit_exact(tmp_path):
 def test_periodic_checkpoints_keep_the_last_n(tmp_path):
     net, exe = trained(num_stages=2, steps=0)
     loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
-    loader.set_sample_generator(net.sample_reader(40), batch_size=8)
+    loader.set_sample_generator(net.sample_reader(40), batch_size=4)  # 10 micro-batches: 5 steps
     exe.train_from_dataset(net.main, loader, checkpoint_dir=str(tmp_path), checkpoint_every=2, keep_last=2)
     assert sorted(os.listdir(tmp_path)) == ["step-00000004", "step-00000005"]
     fresh_net, fresh = trained(num_stages=2, steps=0)

@@ -28,7 +28,8 @@ def pipelined_mlp(stages=2, microbatches=4, **kw):
     return net, exe
 
 
-def loader_for(net, samples=64, batch_size=16, iterable=False):
+def loader_for(net, samples=64, batch_size=4, iterable=False):
+    """A loader of micro-batches (Paddle's convention): 64 samples make 4 steps of 4 x 4."""
     loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=4, iterable=iterable)
     loader.set_sample_generator(net.sample_reader(samples), batch_size=batch_size)
     return loader
@@ -195,7 +196,7 @@ def test_keyboard_interrupt_stops_training_cleanly(tmp_path):
             staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=4).minimize(net.loss)
         exe = staticpipe.Executor(); exe.run(net.startup)
         loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
-        loader.set_sample_generator(net.sample_reader(10**7), batch_size=256)
+        loader.set_sample_generator(net.sample_reader(10**7), batch_size=64)
         print("training", flush=True)
         try:
             exe.train_from_dataset(net.main, loader, fetch_list=[net.loss], print_period=10**6)

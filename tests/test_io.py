@@ -1,6 +1,7 @@
 """staticpipe.io: batching, both loader modes, error messages, prefetch-thread lifetime, microbatch splits."""
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import time
@@ -59,7 +60,9 @@ def test_feed_specs():
         FeedSpec("image", (-1, 3, 4, 4), np.dtype("float32")),
         FeedSpec("label", (-1, 1), np.dtype("int64")),
     ]
-    assert loader.capacity == 64 and loader.use_double_buffer and not loader.iterable and loader.drop_last
+    # Paddle's defaults: iterable=True (it was False before Paddle 2), return_list=False, a thread producer
+    assert loader.capacity == 64 and loader.use_double_buffer and loader.iterable and loader.drop_last
+    assert not loader.return_list and not loader.use_multiprocess
 
 
 @pytest.mark.parametrize(
@@ -110,6 +113,12 @@ def test_sample_list_generator():
     assert_batches_equal(list(loader), [stacked(data[:2]), stacked(data[2:6])])
 
 
+def test_empty_sample_list_error():
+    loader = DataLoader.from_generator(image_label()).set_sample_list_generator(lambda: iter([[]]))
+    with pytest.raises(ValueError, match=re.escape("cannot make a batch of an empty list of samples")):
+        list(loader)
+
+
 def test_batch_generator_tuple_and_dict():
     want = [stacked(samples(3)), stacked(samples(5))]
     feeds = [(want[0]["image"], want[0]["label"]), {"label": want[1]["label"], "image": want[1]["image"]}]
@@ -142,7 +151,7 @@ def test_no_generator_set():
     with pytest.raises(RuntimeError, match=msg):
         iter(loader)
     with pytest.raises(RuntimeError, match=msg):
-        DataLoader.from_generator(image_label()).start()
+        DataLoader.from_generator(image_label(), iterable=False).start()
 
 
 # -- non-iterable mode
@@ -150,7 +159,7 @@ def test_no_generator_set():
 
 def test_non_iterable_start_next_eof_reset_cycles():
     data = samples(6)
-    loader = DataLoader.from_generator(image_label()).set_sample_generator(lambda: iter(data), 3)
+    loader = DataLoader.from_generator(image_label(), iterable=False).set_sample_generator(lambda: iter(data), 3)
     for _ in range(3):
         loader.start()
         got = [loader.next_batch(), loader.next_batch()]
@@ -164,7 +173,7 @@ def test_non_iterable_start_next_eof_reset_cycles():
 
 def test_non_iterable_iter_and_epoch_stop_at_eof():
     data = samples(4)
-    loader = DataLoader.from_generator(image_label()).set_sample_generator(lambda: iter(data), 2)
+    loader = DataLoader.from_generator(image_label(), iterable=False).set_sample_generator(lambda: iter(data), 2)
     loader.start()
     assert_batches_equal(list(loader), [stacked(data[:2]), stacked(data[2:])])
     loader.reset()
@@ -174,7 +183,8 @@ def test_non_iterable_iter_and_epoch_stop_at_eof():
 
 
 def test_non_iterable_runtime_errors():
-    loader = DataLoader.from_generator(image_label()).set_sample_generator(lambda: iter(samples(2)), 1)
+    loader = DataLoader.from_generator(image_label(), iterable=False)
+    loader.set_sample_generator(lambda: iter(samples(2)), 1)
     not_started = "DataLoader is not started: call loader.start() before training (non-iterable mode)"
     with pytest.raises(RuntimeError, match=re.escape(not_started)):
         loader.next_batch()
@@ -258,8 +268,10 @@ def failing_reader():
 
 
 @pytest.mark.parametrize("iterable", [True, False])
-def test_generator_exception_keeps_type_and_traceback(iterable):
-    loader = DataLoader.from_generator(image_label(), iterable=iterable).set_sample_generator(failing_reader, 1)
+@pytest.mark.parametrize("use_multiprocess", [False, True])
+def test_generator_exception_keeps_type_and_traceback(iterable, use_multiprocess):
+    loader = DataLoader.from_generator(image_label(), iterable=iterable, use_multiprocess=use_multiprocess)
+    loader.set_sample_generator(failing_reader, 1)
     if not iterable:
         loader.start()
     it = loader.epoch()
@@ -267,8 +279,9 @@ def test_generator_exception_keeps_type_and_traceback(iterable):
     with pytest.raises(KeyError, match="corrupt record 7") as info:
         next(it)
     text = "".join(traceback.format_exception(info.value))
-    assert "failing_reader" in text
-    assert "DataLoader's generator" in text
+    assert "failing_reader" in text  # with a producer process: the child's frame, from its traceback
+    assert ("raised in the staticpipe DataLoader's producer process, pid" if use_multiprocess
+            else "DataLoader's generator") in text
     loader.reset()
 
 
@@ -353,3 +366,46 @@ def test_split_microbatches_errors():
         split_microbatches({"image": np.zeros((8, 3)), "label": np.zeros(4)}, 2)
     with pytest.raises(ValueError, match="num_microbatches"):
         split_microbatches({"image": np.zeros((8, 3))}, 0)
+
+
+# -- Paddle's from_generator signature and defaults
+
+
+def test_from_generator_signature_is_paddles():
+    from paddle.base.reader import DataLoader as PaddleDataLoader
+
+    ours = inspect.signature(DataLoader.from_generator).parameters
+    paddles = inspect.signature(PaddleDataLoader.from_generator).parameters
+    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in paddles.values()]
+
+
+def test_feed_list_is_required():
+    msg = ("feed_list is required in static mode: pass the paddle.static.data variables the loader feeds, "
+           "e.g. feed_list=[image, label]")
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        DataLoader.from_generator()
+
+
+def test_capacity_none_is_the_default_capacity():
+    assert DataLoader.from_generator(image_label(), capacity=None).capacity == DataLoader.DEFAULT_CAPACITY == 64
+
+
+@pytest.mark.parametrize("use_multiprocess", [False, True])
+def test_return_list_yields_lists_in_feed_order_and_epoch_yields_dicts(use_multiprocess):
+    data = samples(4)
+    loader = DataLoader.from_generator(image_label(), return_list=True, use_multiprocess=use_multiprocess)
+    loader.set_sample_generator(lambda: iter(data), 2, places=paddle.CPUPlace())  # places: accepted, ignored
+    want = [stacked(data[:2]), stacked(data[2:])]
+    for got in (list(loader), list(loader())):
+        assert [type(b) for b in got] == [list, list]
+        assert_batches_equal([dict(zip(["image", "label"], b)) for b in got], want)
+    assert_batches_equal(list(loader.epoch()), want)
+
+
+def test_places_accepted_by_every_generator_setter():
+    want = [stacked(samples(2))]
+    loader = DataLoader.from_generator(image_label())
+    loader.set_sample_list_generator(lambda: iter([samples(2)]), places=[paddle.CPUPlace()])
+    assert_batches_equal(list(loader), want)
+    loader.set_batch_generator(lambda: iter([(want[0]["image"], want[0]["label"])]), places=None)
+    assert_batches_equal(list(loader), want)

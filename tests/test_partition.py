@@ -138,7 +138,7 @@ def test_profile_of_a_minimized_program_times_its_own_backward():
 
 def test_profile_takes_the_first_batch_of_a_loader():
     net = build_mlp(num_stages=1, guarded=False)
-    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=2)
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=2, iterable=False)
     loader.set_sample_generator(net.sample_reader(12), batch_size=6)
     prof = staticpipe.profile(net.main, loader, place="cpu", repeat=1)
     assert prof.batch_size == 6 and prof.device == "cpu"

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 
 import pytest
 
@@ -89,7 +90,7 @@ def comparable(value):
         return canonical(value)
     if dataclasses.is_dataclass(value):
         return {f.name: comparable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return {k: comparable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [comparable(v) for v in value]
@@ -171,8 +172,11 @@ WITHOUT_MODEL_CODE = textwrap.dedent("""
     saved = np.load(data)
     steps = sorted({key.split("/")[0] for key in saved})
     feed_list = [main.global_block().var(name) for name in plan.data_specs]
-    loader = staticpipe.io.DataLoader.from_generator(feed_list=feed_list, capacity=2)
-    loader.set_batch_generator(lambda: ({n: saved[f"{s}/{n}"] for n in plan.data_specs} for s in steps))
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=feed_list, capacity=2, iterable=False)
+    global_batches = ({n: saved[f"{s}/{n}"] for n in plan.data_specs} for s in steps)
+    # a loader batch is one micro-batch: each saved global batch goes in as its micro-batches
+    loader.set_batch_generator(lambda: (mb for batch in global_batches
+                                        for mb in staticpipe.io.split_microbatches(batch, plan.num_microbatches)))
     exe = staticpipe.Executor()
     exe.run(startup)
     loader.start()

@@ -144,7 +144,7 @@ def test_traced_step_exports_a_timeline(tmp_path, capsys):
     timeline.to_png(str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
-    loader.set_sample_generator(net.sample_reader(32), batch_size=16)
+    loader.set_sample_generator(net.sample_reader(32), batch_size=4)  # 2 steps of 4 micro-batches
     untraced = staticpipe.Executor()
     untraced.run(net.startup)
     untraced.train_from_dataset(net.main, loader, debug=True, print_period=1)

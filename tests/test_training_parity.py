@@ -73,7 +73,7 @@ def test_learning_rate_is_the_same_on_every_stage_and_advances_per_step_or_epoch
 
     def loader(samples):
         ld = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
-        return ld.set_sample_generator(net.sample_reader(samples), batch_size=8)
+        return ld.set_sample_generator(net.sample_reader(samples), batch_size=4)  # micro-batches of 4
 
     def rates():
         return {d: float(np.array(exe.scope_of(d).find_var("learning_rate_0").get_tensor())[0])

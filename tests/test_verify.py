@@ -1,6 +1,8 @@
 """staticpipe.verify: the equivalence oracle reports real drift and real placement errors."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import staticpipe
@@ -11,9 +13,10 @@ from staticpipe._paddle import np, paddle
 pytestmark = pytest.mark.timeout(120)
 
 
-def loader_of(net, samples=32, batch_size=8):
+def loader_of(net, microbatches, steps, global_batch=8):
+    """A loader of micro-batches: ``microbatches`` loader batches make one step's global batch."""
     loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
-    return loader.set_sample_generator(net.sample_reader(samples), batch_size=batch_size)
+    return loader.set_sample_generator(net.sample_reader(global_batch * steps), batch_size=global_batch // microbatches)
 
 
 def test_verify_passes_a_correct_pipeline_and_reports_every_step():
@@ -21,7 +24,7 @@ def test_verify_passes_a_correct_pipeline_and_reports_every_step():
     sched = paddle.optimizer.lr.LinearWarmup(paddle.optimizer.lr.CosineAnnealingDecay(0.01, T_max=10), 2, 0.0, 0.01)
     minimize(net, paddle.optimizer.Momentum(sched, momentum=0.9, grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0)),
              dict(num_microbatches=4))
-    report = staticpipe.verify(net.main, loader_of(net), net.startup, steps=3)
+    report = staticpipe.verify(net.main, loader_of(net, 4, 3), net.startup, steps=3)
     assert report.ok, str(report)
     assert len(report.pipeline_losses) == 3 and report.max_diff["tok_embedding"][0] <= 1e-6
     pc = report.placement
@@ -53,7 +56,7 @@ def test_verify_catches_a_broken_plan():
     backward = staticpipe.plan_of(net.main).stages[1].sections["backward"].run.program.global_block()  # what runs
     idx = next(i for i, op in enumerate(backward.ops) if op.type == "sum" and op.output("Out")[0] == "fc_4.w_0@GRAD@MERGED")
     backward._remove_op(idx)
-    report = staticpipe.verify(net.main, loader_of(net), net.startup, steps=2)
+    report = staticpipe.verify(net.main, loader_of(net, 2, 2), net.startup, steps=2)
     assert not report.ok and "fc_4.w_0" in report.mismatches()
     assert "MISMATCH" in str(report) and "beyond tolerance after the last step: " in str(report)
 
@@ -63,5 +66,5 @@ def test_verify_checks_its_arguments():
     minimize(net, paddle.optimizer.SGD(0.1), dict(num_microbatches=2))
     with pytest.raises(ValueError, match="verify needs a program rewritten by staticpipe.PipelineOptimizer"):
         staticpipe.verify(paddle.static.Program(), [], net.startup)
-    with pytest.raises(ValueError, match="the loader gave 1 batches; verify was asked for 3 steps"):
+    with pytest.raises(ValueError, match=re.escape("the loader gave batches for 1 step(s); verify was asked for 3 steps")):
         staticpipe.verify(net.main, [net.random_batch(8)], net.startup, steps=3)

@@ -1,5 +1,7 @@
-"""Feeding static programs: a prefetching loader with Paddle's API, and microbatch splitting."""
+"""Feeding static programs: prefetching loaders with Paddle's API (generators, datasets, producer
+processes), the registry of which loader feeds which program, and microbatch splitting."""
 from .dataloader import DataLoader
 from .feed import FeedSpec, split_microbatches
+from .registry import loaders_of
 
-__all__ = ["DataLoader", "FeedSpec", "split_microbatches"]
+__all__ = ["DataLoader", "FeedSpec", "split_microbatches", "loaders_of"]

@@ -1,18 +1,24 @@
-"""A feed loader for static programs, shaped like ``paddle.io.DataLoader.from_generator``.
+"""A feed loader for static programs with ``paddle.io.DataLoader``'s two constructors: over a
+``paddle.io.Dataset`` (``DataLoader(dataset, feed_list=...)``) and over generators (``from_generator``).
 
 Why not Paddle's own: its static-mode loader feeds the executor through C++ reader ops that a pipeline
 rewrite cannot split into microbatches. This loader hands out plain ``dict[str, np.ndarray]`` batches that
-the pipeline executor feeds itself, while keeping Paddle's user-facing API (generators, ``start``/``reset``,
-``EOFException``) so existing training loops carry over.
+the pipeline executor feeds itself, while keeping Paddle's user-facing API (generators, datasets,
+``start``/``reset``, ``EOFException``) so existing training loops carry over.
 """
 from __future__ import annotations
 
 import numbers
+import weakref
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .._paddle import core, paddle
-from .feed import Batch, FeedSpec, stack_samples
-from .prefetch import Item as _Item, Prefetcher
+from .._paddle import core, framework, paddle
+from .dataset import DatasetSource
+from .feed import Batch, FeedSpec, to_batch
+from .prefetch import Item as _Item, Prefetcher, Producer
+from .process import ProcessPrefetcher
+from .registry import hold, program_of, register
 
 _NOT_STARTED = "DataLoader is not started: call loader.start() before training (non-iterable mode)"
 _NO_SOURCE = (
@@ -22,23 +28,93 @@ _NO_SOURCE = (
 
 
 class DataLoader:
-    """Prefetching feed loader for static programs; build one with :meth:`from_generator`.
+    """Prefetching feed loader for static programs.
 
-    ``iterable=True``: ``for batch in loader`` runs one epoch. ``iterable=False`` (Paddle's default
-    training style): ``loader.start()``, then the executor pulls :meth:`next_batch` until
-    ``core.EOFException``, then ``loader.reset()``. :meth:`epoch` iterates one epoch in either mode.
+    ``DataLoader(dataset, feed_list=[...], batch_size=...)`` reads a ``paddle.io.Dataset`` and is always
+    iterable, as Paddle's. ``DataLoader.from_generator(feed_list=[...])`` reads the generator given to a
+    ``set_*_generator`` method; ``iterable=True``: ``for data in loader`` runs one epoch; ``iterable=False``
+    (Paddle's pipeline scripts): ``loader.start()``, then the executor pulls :meth:`next_batch` until
+    ``core.EOFException``, then ``loader.reset()``.
+
+    Iterating (``for data in loader``, ``loader()``) yields a list of arrays in feed_list order
+    (``return_list=True``) or a dict ``{name: array}`` (``False``). Paddle wraps either in a list with one
+    entry per place, because its executor feeds each device itself; here one batch feeds the whole pipeline
+    (the pipeline executor places each variable on its stage), so there is no per-place wrapper.
+    :meth:`epoch`, what the training loop reads, yields dicts whatever ``return_list`` is.
     """
 
     JOIN_TIMEOUT_S = 1.0
+    DEFAULT_CAPACITY = 64
 
     def __init__(
         self,
-        feed_list: Sequence[Any],
-        capacity: int = 64,
-        use_double_buffer: bool = True,
-        iterable: bool = False,
-        drop_last: bool = True,
+        dataset: Any,
+        feed_list: Sequence[Any] | None = None,
+        places: Any = None,
+        return_list: bool = True,
+        batch_sampler: Any = None,
+        batch_size: int | None = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        collate_fn: Callable[[list], Any] | None = None,
+        num_workers: int = 0,
+        use_buffer_reader: bool = True,
+        prefetch_factor: int = 2,
+        use_shared_memory: bool = True,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        persistent_workers: bool = False,
     ) -> None:
+        """``paddle.io.DataLoader``'s signature and meaning, with these differences: ``feed_list`` is required
+        (batches are fed by variable name); ``places`` is ignored (the pipeline places each variable on its
+        stage); batches always travel through a queue of ``prefetch_factor`` batches per worker (or per
+        loader, ``num_workers=0``), so ``use_buffer_reader`` changes nothing; worker batches travel through
+        pipes, so ``use_shared_memory`` changes nothing; workers are forked for each epoch, so
+        ``persistent_workers`` changes nothing but worker state (it is not kept between epochs);
+        ``paddle.io.get_worker_info()`` is ``None`` in the workers, and an IterableDataset takes no workers.
+        """
+        self._setup(feed_list, True, return_list, drop_last)
+        self._dataset = DatasetSource(dataset, self.feed_names, batch_sampler, batch_size, shuffle, drop_last,
+                                      collate_fn, num_workers, prefetch_factor, timeout, worker_init_fn)
+        self.dataset, self.batch_sampler = dataset, self._dataset.batch_sampler
+        self.num_workers = self._dataset.num_workers
+        self._open = self._dataset.open
+        register(self)
+
+    @classmethod
+    def from_generator(
+        cls,
+        feed_list: Sequence[Any] | None = None,
+        capacity: int | None = None,
+        use_double_buffer: bool = True,
+        iterable: bool = True,
+        return_list: bool = False,
+        use_multiprocess: bool = False,
+        drop_last: bool = True,
+    ) -> DataLoader:
+        """``paddle.io.DataLoader.from_generator``'s signature and meaning in static mode.
+
+        ``capacity``: batches prefetched (``None``: 64). ``use_multiprocess=True`` runs the generator in a
+        forked producer process instead of a thread (so it must not rely on the parent's later state).
+        """
+        capacity = cls.DEFAULT_CAPACITY if capacity is None else capacity
+        if not isinstance(capacity, numbers.Integral) or capacity < 1:
+            raise ValueError(f"capacity must be a positive integer (batches prefetched), got {capacity!r}")
+        loader = cls.__new__(cls)  # not __init__: that is Paddle's dataset constructor
+        loader._setup(feed_list, iterable, return_list, drop_last)
+        loader._dataset = None
+        loader.capacity = int(capacity)
+        # on CPU the prefetch queue is the only buffer; there is no device copy for a second one to overlap
+        loader.use_double_buffer = use_double_buffer
+        loader.use_multiprocess = use_multiprocess
+        register(loader)
+        return loader
+
+    def _setup(self, feed_list: Any, iterable: bool, return_list: bool, drop_last: bool) -> None:
+        """What both constructors share: the feed variables, checked, and the epoch's state."""
+        if feed_list is None:
+            raise ValueError("feed_list is required in static mode: pass the paddle.static.data variables the "
+                             "loader feeds, e.g. feed_list=[image, label]")
         if not isinstance(feed_list, (list, tuple)) or not feed_list:
             raise ValueError(f"feed_list must be a non-empty list of paddle.static.data variables, got {feed_list!r}")
         for var in feed_list:
@@ -49,43 +125,53 @@ class DataLoader:
         names = [var.name for var in feed_list]
         if len(set(names)) != len(names):
             raise ValueError(f"feed_list names a variable twice: {names}")
-        if not isinstance(capacity, numbers.Integral) or capacity < 1:
-            raise ValueError(f"capacity must be a positive integer (batches prefetched), got {capacity!r}")
+        self._program = weakref.ref(program_of(feed_list))
         self._specs = [FeedSpec.from_variable(var) for var in feed_list]
-        self.capacity = int(capacity)
-        # on CPU the prefetch queue is the only buffer; there is no device copy for a second one to overlap
-        self.use_double_buffer = use_double_buffer
         self.iterable = iterable
-        # Paddle drops batches that cannot be spread over its devices; kept for parity, the loader never
-        # drops whole batches itself (partial batches: see set_sample_generator's drop_last)
+        self.return_list = return_list
+        # a dataset loader's is its batch sampler's. A generator loader's, in Paddle, drops the batches it cannot
+        # spread over its devices; one batch feeds the whole pipeline here, so none is dropped (a last, partial
+        # batch of samples: set_sample_generator's drop_last)
         self.drop_last = drop_last
-        self._source: Callable[[], Iterable[_Item]] | None = None
-        self._prefetcher: Prefetcher | None = None
+        self._open: Callable[[], Producer] | None = None
+        self._prefetcher: Producer | None = None
 
-    @classmethod
-    def from_generator(
-        cls,
-        feed_list: Sequence[Any],
-        capacity: int = 64,
-        use_double_buffer: bool = True,
-        iterable: bool = False,
-        drop_last: bool = True,
-    ) -> DataLoader:
-        """Same arguments as ``paddle.io.DataLoader.from_generator`` in static mode."""
-        return cls(feed_list, capacity, use_double_buffer, iterable, drop_last)
+    # -- what the executor asks
 
     @property
     def feed_specs(self) -> list[FeedSpec]:
         return list(self._specs)
 
-    # -- data sources: each returns the loader so that calls chain like Paddle's
+    @property
+    def feed_names(self) -> list[str]:
+        return [spec.name for spec in self._specs]
+
+    @property
+    def program(self) -> framework.Program | None:
+        """The program whose data variables this loader feeds (``None`` once that program is gone)."""
+        return self._program()
+
+    @property
+    def started(self) -> bool:
+        """Whether a non-iterable loader is between ``start()`` and ``reset()``; never for iterable ones."""
+        return not self.iterable and self._prefetcher is not None
+
+    def __len__(self) -> int:
+        """Batches per epoch, for a loader over a map-style dataset (as Paddle's)."""
+        if self._dataset is None:
+            raise TypeError("a DataLoader.from_generator loader has no len(): its generator decides the epoch")
+        return len(self._dataset)
+
+    # -- data sources of from_generator loaders: each returns the loader so that calls chain like Paddle's;
+    # ``places`` is Paddle's per-device feeding, which the pipeline does itself: accepted and ignored
 
     def set_sample_generator(
-        self, reader: Callable[[], Iterable[Any]], batch_size: int, drop_last: bool = True
+        self, reader: Callable[[], Iterable[Any]], batch_size: int, drop_last: bool = True, places: Any = None
     ) -> DataLoader:
-        """``reader()`` yields samples, a tuple/list with one value per feed variable (or, for a single
-        feed variable, the bare value); they are stacked ``batch_size`` at a time."""
-        _check_reader(reader)
+        """``reader()`` yields samples, a tuple/list with one value per feed variable, a dict keyed by feed
+        variable name, or (for a single feed variable) the bare value; they are stacked ``batch_size`` at a
+        time, and a last, smaller batch is kept unless ``drop_last``."""
+        self._check_generator(reader, "set_sample_generator")
         if not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
 
@@ -99,37 +185,54 @@ class DataLoader:
             if samples and not drop_last:
                 yield "samples", samples
 
-        self._source = source
-        return self
+        return self._use(source)
 
-    def set_sample_list_generator(self, reader: Callable[[], Iterable[Sequence[Any]]]) -> DataLoader:
+    def set_sample_list_generator(
+        self, reader: Callable[[], Iterable[Sequence[Any]]], places: Any = None
+    ) -> DataLoader:
         """``reader()`` yields lists of samples, each list one batch."""
-        _check_reader(reader)
-        self._source = lambda: (("samples", list(samples)) for samples in reader())
-        return self
+        self._check_generator(reader, "set_sample_list_generator")
+        return self._use(lambda: (("samples", list(samples)) for samples in reader()))
 
-    def set_batch_generator(self, reader: Callable[[], Iterable[Any]]) -> DataLoader:
+    def set_batch_generator(self, reader: Callable[[], Iterable[Any]], places: Any = None) -> DataLoader:
         """``reader()`` yields whole batches: a tuple/list with one array per feed variable, or a dict
         keyed by feed variable name."""
-        _check_reader(reader)
-        self._source = lambda: (("batch", batch) for batch in reader())
+        self._check_generator(reader, "set_batch_generator")
+        return self._use(lambda: (("batch", batch) for batch in reader()))
+
+    def _check_generator(self, reader: Any, method: str) -> None:
+        if self._dataset is not None:
+            raise RuntimeError(f"{method} is for loaders made by DataLoader.from_generator; this loader reads "
+                               f"its dataset ({type(self._dataset.dataset).__name__})")
+        if not callable(reader):
+            raise TypeError(
+                f"reader must be a callable returning an iterator (e.g. a generator function), got {reader!r}"
+            )
+
+    def _use(self, source: Callable[[], Iterable[_Item]]) -> DataLoader:
+        kind = ProcessPrefetcher if self.use_multiprocess else Prefetcher
+        self._open = partial(kind, source, self.capacity)
         return self
 
     # -- iterable mode
 
-    def __iter__(self) -> Iterator[Batch]:
-        return self.epoch()
+    def __iter__(self) -> Iterator[Batch | list]:
+        batches = self.epoch()
+        if not self.return_list:
+            return batches
+        names = self.feed_names
+        return ([batch[name] for name in names] for batch in batches)
 
-    def __call__(self) -> Iterator[Batch]:
-        return self.epoch()
+    def __call__(self) -> Iterator[Batch | list]:
+        return self.__iter__()
 
     def epoch(self) -> Iterator[Batch]:
-        """One epoch of batches, in either mode.
+        """One epoch of batches as ``{name: array}`` dicts, in either mode.
 
         Iterable mode: starts a fresh epoch (ending any earlier one still running). Non-iterable mode:
         drains the epoch begun by ``start()``, stopping at EOF; ``reset()`` stays the caller's job.
         """
-        if self._source is None:
+        if self._open is None:
             raise RuntimeError(_NO_SOURCE)
         if self.iterable:
             return self._iterable_epoch()
@@ -138,11 +241,11 @@ class DataLoader:
         return self._drain()
 
     def _iterable_epoch(self) -> Iterator[Batch]:
-        self.reset()  # started lazily, so an iterator never advanced holds no thread
-        prefetcher = self._prefetcher = Prefetcher(self._source, self.capacity)
+        self.reset()  # started lazily, so an iterator never advanced holds no thread or process
+        prefetcher = self._prefetcher = self._open()
         try:
             while (item := prefetcher.get()) is not None:
-                yield self._to_batch(item)
+                yield to_batch(self._specs, item)
         finally:  # also runs when the consumer breaks out or drops the iterator
             prefetcher.close(self.JOIN_TIMEOUT_S)
             if self._prefetcher is prefetcher:
@@ -159,14 +262,16 @@ class DataLoader:
     # -- non-iterable mode
 
     def start(self) -> None:
-        """Begin an epoch (non-iterable mode); prefetching starts now."""
+        """Begin an epoch (non-iterable mode); prefetching starts now. Until ``reset()`` the loader stays alive
+        for ``loaders_of`` to find, even with no name left for it, as Paddle's started loader does."""
         if self.iterable:
             raise RuntimeError("start() is for non-iterable loaders (iterable=False); iterate this loader instead")
-        if self._source is None:
+        if self._open is None:
             raise RuntimeError(_NO_SOURCE)
         if self._prefetcher is not None:
             raise RuntimeError("DataLoader is already started: call loader.reset() before loader.start() again")
-        self._prefetcher = Prefetcher(self._source, self.capacity)
+        self._prefetcher = self._open()
+        hold(self, True)
 
     def next_batch(self) -> Batch:
         """Next batch of the started epoch; raises ``core.EOFException`` at its end, as ``exe.run`` does."""
@@ -177,48 +282,11 @@ class DataLoader:
         item = self._prefetcher.get()
         if item is None:
             raise core.EOFException("DataLoader epoch ended: call loader.reset() before the next loader.start()")
-        return self._to_batch(item)
+        return to_batch(self._specs, item)
 
     def reset(self) -> None:
-        """End the current epoch, stopping the prefetch thread; safe to call at any time, in both modes."""
+        """End the current epoch, stopping its producer; safe to call at any time, in both modes."""
         if self._prefetcher is not None:
             self._prefetcher.close(self.JOIN_TIMEOUT_S)
             self._prefetcher = None
-
-    # -- batch assembly, on the consumer's thread so that errors reach the caller with their context
-
-    def _to_batch(self, item: _Item) -> Batch:
-        kind, payload = item
-        if kind == "batch":
-            fields = self._fields(payload, "batch")
-        else:
-            if not payload:
-                raise ValueError("sample list generator yielded an empty list of samples")
-            rows = [self._fields(sample, "sample") for sample in payload]
-            fields = [stack_samples(spec.name, [row[i] for row in rows]) for i, spec in enumerate(self._specs)]
-        return {spec.name: spec.convert(value) for spec, value in zip(self._specs, fields)}
-
-    def _fields(self, item: Any, what: str) -> Sequence[Any]:
-        """``item``'s values in feed_list order."""
-        names = [spec.name for spec in self._specs]
-        if isinstance(item, dict):
-            missing = [n for n in names if n not in item]
-            unknown = [k for k in item if k not in names]
-            if missing or unknown:
-                raise ValueError(
-                    f"{what} dict keys must be the feed variables {names}: "
-                    f"missing {missing}, not feed variables {unknown}"
-                )
-            return [item[n] for n in names]
-        if not isinstance(item, (tuple, list)):
-            if len(names) == 1:
-                return (item,)
-            item = (item,)
-        if len(item) != len(names):
-            raise ValueError(f"expected {len(names)} fields per {what} (feed variables {names}), received {len(item)}")
-        return item
-
-
-def _check_reader(reader: Any) -> None:
-    if not callable(reader):
-        raise TypeError(f"reader must be a callable returning an iterator (e.g. a generator function), got {reader!r}")
+        hold(self, False)

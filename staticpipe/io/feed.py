@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from .._paddle import np
 from ..ir import np_dtype
@@ -50,6 +50,49 @@ def stack_samples(name: str, values: list[Any]) -> np.ndarray:
     if len(shapes) > 1:
         raise ValueError(f"feed variable {name!r}: samples of one batch have different shapes {shapes}")
     return np.stack(arrays)
+
+
+def fields(names: Sequence[str], item: Any, what: str) -> Sequence[Any]:
+    """``item``'s values in feed_list order: ``item`` (a ``what``: "sample" or "batch") is a dict keyed by
+    feed variable name, a tuple/list with one value per variable, or, for a single variable, the bare value."""
+    if isinstance(item, dict):
+        missing = [n for n in names if n not in item]
+        unknown = [k for k in item if k not in names]
+        if missing or unknown:
+            raise ValueError(
+                f"{what} dict keys must be the feed variables {list(names)}: "
+                f"missing {missing}, not feed variables {unknown}"
+            )
+        return [item[n] for n in names]
+    if not isinstance(item, (tuple, list)):
+        if len(names) == 1:
+            return (item,)
+        item = (item,)
+    if len(item) != len(names):
+        raise ValueError(
+            f"expected {len(names)} fields per {what} (feed variables {list(names)}), received {len(item)}"
+        )
+    return item
+
+
+def collate(names: Sequence[str], samples: Sequence[Any]) -> list[np.ndarray]:
+    """The default collate: ``samples`` (each as :func:`fields` reads it) stacked variable by variable.
+
+    A plain function of the names, so that a dataset loader's worker processes run it too.
+    """
+    if not samples:
+        raise ValueError("cannot make a batch of an empty list of samples")
+    rows = [fields(names, sample, "sample") for sample in samples]
+    return [stack_samples(name, [row[i] for row in rows]) for i, name in enumerate(names)]
+
+
+def to_batch(specs: Sequence[FeedSpec], item: tuple[str, Any]) -> Batch:
+    """The checked batch of a producer's item: ``("samples", list of samples)`` to stack, or ``("batch",
+    one whole batch)``; run on the consumer's thread so that errors reach the caller with their context."""
+    names = [spec.name for spec in specs]
+    kind, payload = item
+    values = fields(names, collate(names, payload) if kind == "samples" else payload, "batch")
+    return {spec.name: spec.convert(value) for spec, value in zip(specs, values)}
 
 
 def split_microbatches(batch: Batch, num_microbatches: int) -> list[Batch]:

@@ -3,10 +3,18 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 # a queue item: ("samples", list of samples) to stack, or ("batch", one whole batch)
 Item = tuple[str, Any]
+
+
+class Producer(Protocol):
+    """What a loader reads an epoch from: this thread, a producer process, or worker processes."""
+
+    def get(self) -> Item | None: ...
+
+    def close(self, timeout: float) -> None: ...
 
 
 class _Failure:
@@ -28,7 +36,10 @@ class Prefetcher:
 
     _POLL_S = 0.05
 
-    def __init__(self, source: Callable[[], Iterable[Item]], capacity: int) -> None:
+    def __init__(
+        self, source: Callable[[], Iterable[Item]], capacity: int, label: str = "the staticpipe DataLoader's generator"
+    ) -> None:
+        self._label = label  # what runs on the thread, for the note on its errors
         self._queue: queue.Queue = queue.Queue(maxsize=capacity)
         self._stop = threading.Event()
         self._done = False
@@ -56,7 +67,7 @@ class Prefetcher:
                     return
             self._put(_END)
         except Exception as e:  # handed to the consumer, which re-raises it with this traceback
-            e.add_note("(raised in the staticpipe DataLoader's generator, on its prefetch thread)")
+            e.add_note(f"(raised in {self._label}, on its prefetch thread)")
             self._put(_Failure(e))
         finally:
             close = getattr(items, "close", None)

@@ -64,10 +64,11 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
     gradients, with its exchanges in the order of the module docstring."""
     prog = paddle.static.Program()
     dst = prog.global_block()
-    taken: list[int] = []
+    taken: list[int] = []  # the section's exchanges, in order
+    comm_ops: list[int] = []  # the op of each
 
     def comm(op_type: str, ex: Exchange, var: CutVar, peer: int) -> None:
-        append_comm_op(dst, op_type, var, peer, device, ROLE_OPTIMIZE, None)
+        comm_ops.append(append_comm_op(dst, op_type, var, peer, device, ROLE_OPTIMIZE, None))
         taken.append(ex.index)
 
     for g in merge:
@@ -92,7 +93,7 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
 
     for item in ops:
         if isinstance(item, Reduction):
-            _append_reduction(dst, block, item, device, owned)
+            comm_ops.append(_append_reduction(dst, block, item, device, owned))
             taken.append(exchanges.reduction[item.op].index)
         else:
             copy_ops(dst, block, [item], edit=read_merged)
@@ -111,12 +112,13 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
             comm("recv_v2", ex, ex.vars[0], owner)
     return Section(stage, OPTIMIZE, prog, exchanges=tuple(taken),
                    source_ops=tuple(item.op if isinstance(item, Reduction) else item for item in ops),
-                   runs=section_runs(prog, OPTIMIZE))
+                   comm_ops=tuple(comm_ops), runs=section_runs(prog, OPTIMIZE, comm_ops=tuple(comm_ops)))
 
 
 def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction, device: str,
-                      owned: dict[str, str]) -> None:
-    """This stage's part of a cross-stage sum: sum the local inputs, then all-reduce into the output."""
+                      owned: dict[str, str]) -> int:
+    """This stage's part of a cross-stage sum: sum the local inputs, then all-reduce into the output;
+    returns the index of the all-reduce op."""
     out = src._var_recursive(red.output)
     declare_var(dst, out)
     partial = red.output + PARTIAL_SUFFIX
@@ -129,8 +131,8 @@ def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction
         append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [partial]})
     else:
         zero_fill(dst, partial, device, ROLE_OPTIMIZE)
-    append_tagged_op(dst, "c_allreduce_sum", device, ROLE_OPTIMIZE, inputs={"X": [partial]},
-                     outputs={"Out": [red.output]}, attrs={"ring_id": 0, "use_calc_stream": True})
+    return append_tagged_op(dst, "c_allreduce_sum", device, ROLE_OPTIMIZE, inputs={"X": [partial]},
+                            outputs={"Out": [red.output]}, attrs={"ring_id": 0, "use_calc_stream": True})
 
 
 def init_section(block: framework.Block, stage: int, device: str, merge: dict[str, str]) -> Section:

@@ -246,10 +246,11 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
     dst = prog.global_block()
     recvs = [r for r in routes if r.dst == sec.ref]
     sends = [r for r in routes if r.src == sec.ref]
+    comm = []
     for r in recvs:
         for v in r.vars:
             declare_var(dst, block._var_recursive(v.name))
-            append_comm_op(dst, "recv_v2", v, r.src.stage, device, role, micro_batch_size)
+            comm.append(append_comm_op(dst, "recv_v2", v, r.src.stage, device, role, micro_batch_size))
 
     def edit(i: int, desc: core.OpDesc) -> None:
         if i in drop_in:  # a shared parameter's partial gradients from other stages arrive once per step
@@ -294,8 +295,9 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
         append_tagged_op(dst, "sum", device, ROLE_BACKWARD, inputs={"X": [merged, g]}, outputs={"Out": [merged]})
     for r in sends:
         for v in r.vars:
-            append_comm_op(dst, "send_v2", v, r.dst.stage, device, role, micro_batch_size)
+            comm.append(append_comm_op(dst, "send_v2", v, r.dst.stage, device, role, micro_batch_size))
     keep = tuple(sorted(sec.keep))
     return Section(sec.ref.stage, sec.ref.kind, prog, feeds=tuple(sec.feeds), keep=keep,
                    recv_routes=tuple(r.index for r in recvs), send_routes=tuple(r.index for r in sends),
-                   source_ops=tuple(sec.ops), recomputed_ops=tuple(recompute), runs=section_runs(prog, sec.ref.kind, keep))
+                   source_ops=tuple(sec.ops), recomputed_ops=tuple(recompute), comm_ops=tuple(comm),
+                   runs=section_runs(prog, sec.ref.kind, keep, tuple(comm)))

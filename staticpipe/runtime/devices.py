@@ -13,7 +13,7 @@ import concurrent.futures as cf
 from typing import Any, Callable
 
 from .._paddle import core, paddle
-from ..placement import generic_place, launched_world, place_of
+from ..placement import device_map, generic_place, launched_world, place_of
 from ..plan import Plan, Stage
 from . import watchdog
 from .channel import Channel, InProcessChannel
@@ -23,14 +23,16 @@ from .worker import DeviceWorker
 
 class Devices:
     """Workers of this process, created on first use; ``threads_per_stage``: each CPU worker's intra-op
-    thread budget, one number or ``{device: threads}`` (devices not named get 1)."""
+    thread budget, one number or ``{device: threads}`` (devices not named get 1); ``mapping``: the
+    device that runs each pipeline device it names (``placement.device_map``)."""
 
-    def __init__(self, threads_per_stage: int | dict[str, int] = 1):
+    def __init__(self, threads_per_stage: int | dict[str, int] = 1, mapping: dict[str, str] | None = None):
         budgets = threads_per_stage.values() if isinstance(threads_per_stage, dict) else [threads_per_stage]
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in budgets):
             raise ValueError("threads_per_stage must be an integer >= 1 or a dict device -> integer >= 1, "
                              f"got {threads_per_stage!r}")
         self.threads_per_stage = threads_per_stage
+        self.device_map = device_map(mapping)
         self.workers: dict[str, DeviceWorker] = {}
         self._threads: dict[str, cf.ThreadPoolExecutor] = {}
         self._in_process: Channel = InProcessChannel()
@@ -42,7 +44,8 @@ class Devices:
             self.watchdog = watchdog.start(*self.world)
 
     def place_of(self, device: str) -> core.Place:
-        return place_of(device, launched=self.world is not None)
+        """The place of pipeline device ``device``: where the device map sends it, else its own."""
+        return place_of(self.device_map.get(device, device), launched=self.world is not None)
 
     def worker(self, device: str) -> DeviceWorker:
         w = self.workers.get(device)

@@ -18,7 +18,7 @@ from typing import Any
 from .._paddle import core, np
 from ..io import FeedSpec, split_microbatches
 from ..placement import generic_place
-from ..plan import FORWARD, PER_MICROBATCH, OPTIMIZE, Plan
+from ..plan import FORWARD, FORWARD_ONLY, OPTIMIZE, PER_MICROBATCH, Plan
 from .devices import Devices
 from .errors import PipelineAborted
 from .worker import RankProgram, StepJob, StepResult
@@ -28,6 +28,7 @@ class StepRunner:
     def __init__(self, devices: Devices):
         self.devices = devices
         self.trace = False  # record (action, start, end) of every action of the next steps
+        self.global_step = 0  # training steps whose actions all ran (their updates are applied)
         self.records: list[tuple] = []  # of the last traced step
         self._bound: dict[Plan, int] = {}  # plan -> the micro-batch size its first step fixed
         self._programs: dict[Plan, dict[int, RankProgram]] = {}
@@ -41,20 +42,34 @@ class StepRunner:
         return plan.micro_batch_size or self._bound.get(plan)
 
     def run(self, plan: Plan, batch: dict[str, Any], fetch: list[str]) -> list:
-        """One step of ``plan`` on the global batch ``batch``; the values of ``fetch`` (None for a value
-        another process computes)."""
-        missing = [n for n in plan.data_vars if n not in batch]
-        extra = [n for n in batch if n not in plan.data_vars]
-        if missing or extra:
-            raise ValueError(f"feed does not match the program's data variables: missing {missing}, "
-                             f"unknown {extra}; expected {sorted(plan.data_vars)}")
-        batch = {n: FeedSpec(n, plan.data_specs[n][0], np.dtype(plan.data_specs[n][1])).convert(v)
-                 for n, v in batch.items()}
+        """One step of ``plan`` on the global batch ``batch``, split into the plan's micro-batches; the
+        values of ``fetch`` (None for a value another process computes)."""
+        batch = _checked(plan, batch, "feed")
         if plan.dp_degree > 1:
-            batch = self._replica_slice(plan, batch)
-        micro = split_microbatches(batch, plan.num_microbatches)
-        size = len(next(iter(micro[0].values())))
-        expected = self.micro_batch_size(plan)
+            batch = self._replica_slice(plan, batch, "global batch")
+        return self._step(plan, split_microbatches(batch, plan.num_microbatches), fetch)
+
+    def run_microbatches(self, plan: Plan, microbatches: list[dict[str, Any]], fetch: list[str]) -> list:
+        """One step of ``plan`` on ``microbatches``, one batch each (Paddle's pipeline convention: a loader
+        batch is a micro-batch). With data parallelism each replica takes its slice of every one."""
+        if len(microbatches) != plan.num_microbatches:
+            raise ValueError(f"a step takes num_microbatches={plan.num_microbatches} micro-batches, got "
+                             f"{len(microbatches)}")
+        micro = [_checked(plan, mb, f"micro-batch {k}") for k, mb in enumerate(microbatches)]
+        sizes = [_rows(mb) for mb in micro]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"the micro-batches of a step must have one size; got sizes {sizes}")
+        if plan.dp_degree > 1:
+            micro = [self._replica_slice(plan, mb, "micro-batch") for mb in micro]
+        return self._step(plan, micro, fetch)
+
+    def _step(self, plan: Plan, micro: list[dict[str, np.ndarray]], fetch: list[str]) -> list:
+        size = _rows(micro[0])
+        if size == 0:
+            raise ValueError(f"empty micro-batches: the batch has no samples (feed variables {sorted(micro[0])})")
+        # an evaluation (forward-only) plan takes any size: a last, smaller batch is evaluated too
+        training = plan.schedule != FORWARD_ONLY
+        expected = self.micro_batch_size(plan) if training else None
         if expected is not None and size != expected:
             raise ValueError(
                 f"micro-batch size {size} differs from the plan's compiled micro-batch size {expected} (global "
@@ -62,8 +77,11 @@ class StepRunner:
                 f"{plan.num_microbatches}); every batch must have the same size")
         feeds = {st.index: [{n: mb[n] for n in st.sections[FORWARD].feeds} for mb in micro] for st in plan.stages}
         where, persist = _locate_fetches(plan, fetch)
-        fetched = self._run_actions(plan, feeds, where, size)
-        self._bound.setdefault(plan, size)  # only a step that succeeded fixes it
+        shapes = [tuple(mb[n].shape for n in sorted(mb)) for mb in micro]
+        fetched = self._run_actions(plan, feeds, where, size if training else None, shapes)
+        if training:  # the update is applied: the step counts, whatever merging the fetches does
+            self.global_step += 1
+            self._bound.setdefault(plan, size)  # only a step that succeeded fixes it
         out = []
         local = {st.index for st in self._local[plan]}
         for name in fetch:
@@ -98,7 +116,8 @@ class StepRunner:
             self._prepared.add(key)
         return programs
 
-    def _run_actions(self, plan: Plan, feeds: dict, fetch: dict, micro_batch_size: int) -> dict[str, list]:
+    def _run_actions(self, plan: Plan, feeds: dict, fetch: dict, micro_batch_size: int | None,
+                     shapes: list[tuple]) -> dict[str, list]:
         programs = self._rank_programs(plan, fetch)
         local = self._local[plan]
         channel = self.devices.channel_for(plan)
@@ -110,7 +129,7 @@ class StepRunner:
         futures = {}
         for rank, program in programs.items():
             device = plan.ranks[rank]
-            job = StepJob(plan, program, feeds, fetch, channel, self._places[plan], micro_batch_size, record)
+            job = StepJob(plan, program, feeds, fetch, channel, self._places[plan], micro_batch_size, shapes, record)
             futures[self.devices.submit(device, self.devices.worker(device).run_step, job)] = device
         try:
             results = _wait(futures, channel)
@@ -128,11 +147,11 @@ class StepRunner:
             fetched.update(r.fetched)
         return fetched
 
-    def _replica_slice(self, plan: Plan, batch: dict) -> dict:
-        """Data parallelism: replica k trains on the k-th of ``dp_degree`` equal slices of the global batch."""
-        size = len(next(iter(batch.values())))
+    def _replica_slice(self, plan: Plan, batch: dict, what: str) -> dict:
+        """Data parallelism: replica k trains on the k-th of ``dp_degree`` equal slices of ``batch``."""
+        size = _rows(batch)
         if size % plan.dp_degree:
-            raise ValueError(f"global batch size {size} is not divisible by dp_degree={plan.dp_degree}")
+            raise ValueError(f"{what} size {size} is not divisible by dp_degree={plan.dp_degree}")
         return split_microbatches(batch, plan.dp_degree)[self.devices.world[0] // len(plan.ranks)]
 
     def _replica_value(self, plan: Plan, name: str, value: np.ndarray) -> np.ndarray:
@@ -159,6 +178,22 @@ class StepRunner:
             shape = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name).shape
             self._batched[key] = len(shape) > 0 and shape[0] == -1
         return self._batched[key]
+
+
+def _checked(plan: Plan, batch: dict[str, Any], what: str) -> dict[str, np.ndarray]:
+    """``batch`` with exactly the plan's data variables, each checked against its shape and dtype."""
+    if not isinstance(batch, dict):
+        raise ValueError(f"{what} must be a dict {{data variable name: array}}, got {type(batch).__name__}")
+    missing = [n for n in plan.data_vars if n not in batch]
+    extra = [n for n in batch if n not in plan.data_vars]
+    if missing or extra:
+        raise ValueError(f"{what} does not match the program's data variables: missing {missing}, "
+                         f"unknown {extra}; expected {sorted(plan.data_vars)}")
+    return {n: FeedSpec(n, plan.data_specs[n][0], np.dtype(plan.data_specs[n][1])).convert(v) for n, v in batch.items()}
+
+
+def _rows(batch: dict[str, np.ndarray]) -> int:
+    return len(next(iter(batch.values())))
 
 
 def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:

@@ -67,7 +67,8 @@ class StepJob:
     fetch: dict[tuple[int, str], tuple[str, ...]]  # (stage, section kind) -> names to fetch per micro-batch
     channel: Channel
     places: dict[int, core.Place]  # stage -> place (generic) of the receiver of its sends
-    micro_batch_size: int
+    micro_batch_size: int | None  # None: any (evaluation)
+    shapes: list[tuple]  # micro-batch -> the shapes of its data (what the kept activations' sizes follow)
     record: Callable[[Action, float, float], None] | None = None
 
 
@@ -103,7 +104,7 @@ class DeviceWorker:
         self._free: list[core._Scope] = []
         self.memory: dict[int, MemoryStats] = {}  # stage -> activation memory
         self._held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes kept after its forward
-        self._sizes: dict[tuple[Section, int], tuple[int, int]] = {}  # see _held_bytes
+        self._sizes: dict[tuple[Section, tuple], tuple[int, int]] = {}  # see _held_bytes
 
     # --- runs ---------------------------------------------------------------------------------------
     def prepare(self, run: Run, fetch: tuple[str, ...] = ()) -> Any:
@@ -194,18 +195,19 @@ class DeviceWorker:
         names = job.fetch.get((a.stage, kind), ())
         self.execute(section.run, scope, names)
         if a.kind is Kind.F:
-            held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, scope)
+            held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, a.microbatch, scope)
             self.memory.setdefault(a.stage, MemoryStats()).add(held, 1)
         for name in names:
             result.fetched.setdefault(name, []).append(np.array(tensor_of(scope, name, a)))
 
-    def _held_bytes(self, job: StepJob, forward: Section, scope: core._Scope) -> int:
+    def _held_bytes(self, job: StepJob, forward: Section, microbatch: int, scope: core._Scope) -> int:
         """Bytes ``forward`` left in ``scope`` for the backward. Why not always measured: it costs a few
         calls into Paddle per kept value (12 µs for 7 values), on the critical path of every forward. So
-        the forwards of the first ``MEASURED_STEPS`` steps at a micro-batch size are measured; if they all
-        agree the size is reused, and a stage whose kept shapes depend on the data (any difference) is
+        for each set of data shapes (a sequence length may vary from batch to batch), the first
+        ``MEASURED_STEPS`` steps' forwards are measured; if they all agree the size is reused, and a stage
+        whose kept sizes vary at equal data shapes (ops whose output size depends on the values) is
         measured on every forward."""
-        key = (forward, job.micro_batch_size)
+        key = (forward, job.shapes[microbatch])
         known, seen = self._sizes.get(key, (None, 0))
         if known is not None and known != VARYING and seen >= MEASURED_STEPS * job.plan.num_microbatches:
             return known

@@ -1,73 +1,134 @@
-"""``train_from_dataset``: one epoch of a loader through the pipeline, with progress, traced timelines,
-learning-rate steps and periodic checkpoints."""
+"""``train_from_dataset`` and ``infer_from_dataset``: one epoch of a loader through the pipeline, with
+progress, Paddle's ``fetch_handler``, traced timelines, learning-rate steps and periodic checkpoints."""
 from __future__ import annotations
 
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import checkpoint
-from .._paddle import framework
+from .._paddle import framework, np
 from ..ir import var_names
-from ..plan import require_plan
+from ..plan import Plan, require_plan
+from .feeding import loader_for, steps
 from .progress import Progress
 
 if TYPE_CHECKING:
     from ..executor import Executor
 
 
-def train_from_dataset(exe: "Executor", program: framework.Program, dataset: Any, fetch_list: Sequence | None = None,
-                       fetch_info: Sequence[str] | None = None, print_period: int = 100, debug: bool = False,
-                       lr_step: str | None = None, checkpoint_dir: str | None = None,
-                       checkpoint_every: int | None = None, keep_last: int = 3) -> list[list]:
+@dataclass
+class Options:
+    """``Executor.train_from_dataset``'s options beyond the program and the data, checked once."""
+
+    fetch_list: Sequence | None = None
+    fetch_info: Sequence[str] | None = None
+    print_period: int = 100
+    debug: bool = False
+    fetch_handler: Any = None
+    lr_step: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    keep_last: int = 3
+
+    def check(self, program: framework.Program) -> None:
+        if self.lr_step not in (None, "step", "epoch"):
+            raise ValueError(f"lr_step must be None, 'step' or 'epoch', got {self.lr_step!r}")
+        if self.lr_step is not None and getattr(program, "lr_scheduler", None) is None:
+            raise ValueError(f"lr_step={self.lr_step!r} needs an optimizer with a paddle.optimizer.lr.LRScheduler "
+                             "learning rate; this program's learning rate is constant")
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int)
+                                                  or self.checkpoint_every < 1 or self.checkpoint_dir is None):
+            raise ValueError(f"checkpoint_every must be an integer >= 1 and needs checkpoint_dir, got "
+                             f"checkpoint_every={self.checkpoint_every!r}, checkpoint_dir={self.checkpoint_dir!r}")
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ValueError(f"keep_last must be an integer >= 1, got {self.keep_last!r}")
+        handler = self.fetch_handler
+        if handler is not None and not (hasattr(handler, "var_dict") and hasattr(handler, "handler")):
+            raise ValueError("fetch_handler must be a paddle.static FetchHandler (var_dict, period_secs, handler), "
+                             f"got {type(handler).__name__}")
+
+
+def train_from_dataset(exe: "Executor", program: framework.Program, dataset: Any, options: Options) -> list[list]:
     """See ``Executor.train_from_dataset``."""
     plan = require_plan(program, "train_from_dataset")
-    if dataset is None or not hasattr(dataset, "epoch"):
-        raise ValueError("dataset must be a staticpipe.io.DataLoader (from_generator) with a generator set")
-    if lr_step not in (None, "step", "epoch"):
-        raise ValueError(f"lr_step must be None, 'step' or 'epoch', got {lr_step!r}")
-    if lr_step is not None and getattr(program, "lr_scheduler", None) is None:
-        raise ValueError(f"lr_step={lr_step!r} needs an optimizer with a paddle.optimizer.lr.LRScheduler "
-                         "learning rate; this program's learning rate is constant")
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1
-                                         or checkpoint_dir is None):
-        raise ValueError(f"checkpoint_every must be an integer >= 1 and needs checkpoint_dir, got "
-                         f"checkpoint_every={checkpoint_every!r}, checkpoint_dir={checkpoint_dir!r}")
-    if not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
-    names = var_names(fetch_list)
-    labels = list(fetch_info) if fetch_info else ["loss" if n == plan.loss else n for n in names]
+    options.check(program)
+    return _epoch(exe, program, program, plan, loader_for(program, plan, dataset, "train_from_dataset"), options)
+
+
+def infer_from_dataset(exe: "Executor", program: framework.Program, forward: framework.Program, dataset: Any,
+                       options: Options) -> list[list]:
+    """See ``Executor.infer_from_dataset``; ``forward`` is ``program``'s forward-only pipelined twin."""
+    options.check(program)
+    plan = require_plan(forward, "infer_from_dataset")
+    return _epoch(exe, program, forward, plan, loader_for(program, plan, dataset, "infer_from_dataset"), options)
+
+
+def _epoch(exe: "Executor", program: framework.Program, runs: framework.Program, plan: Plan, loader: Any,
+           options: Options) -> list[list]:
+    """One epoch of ``loader`` as steps of ``runs`` (``program`` itself, or its forward-only twin)."""
+    names = var_names(options.fetch_list)
+    labels = list(options.fetch_info) if options.fetch_info else ["loss" if n == plan.loss else n for n in names]
     if len(labels) != len(names):
         raise ValueError(f"fetch_info has {len(labels)} names for {len(names)} fetch_list entries")
+    handler = _Handler(options.fetch_handler)
     history: list[list] = []
-    tracing, exe.trace = exe.trace, exe.trace or debug
-
-    def due() -> bool:
-        return bool(checkpoint_every) and exe.global_step % checkpoint_every == 0
-
+    tracing, exe.trace = exe.trace, exe.trace or options.debug
+    m, period = plan.num_microbatches, options.print_period
     try:
-        with Progress(labels, print_period) as progress:
-            for batch in dataset.epoch():
+        with Progress(labels, period) as progress:
+            for micro in steps(loader.epoch(), m, progress.note):
+                if not history:
+                    rows = len(next(iter(micro[0].values())))
+                    replicas = f" over {plan.dp_degree} data-parallel replicas" if plan.dp_degree > 1 else ""
+                    progress.note(f"staticpipe: a loader batch is one micro-batch: micro-batch size {rows}, "
+                                  f"{m} micro-batches per step, global batch {rows * m}{replicas}")
                 started = time.perf_counter()
-                values = exe.run(program, feed=batch, fetch_list=names)
-                if lr_step == "step":
+                values = exe.step(runs, micro, names + handler.names)
+                if options.lr_step == "step":
                     program.lr_scheduler.step()
-                history.append(values)
-                progress.update(len(next(iter(batch.values()))), values, time.perf_counter() - started)
-                if exe.trace and len(history) % print_period == 0:
-                    progress.note(f"step {len(history)} timeline: {exe.timeline(program).summary()}")
-                if due():
-                    _checkpoint(exe, program, checkpoint_dir, keep_last)
-            if exe.trace and history and len(history) % print_period:
-                progress.note(f"step {len(history)} timeline: {exe.timeline(program).summary()}")
-            if checkpoint_dir is not None and history and not due():
-                _checkpoint(exe, program, checkpoint_dir, keep_last)
+                history.append(values[:len(names)])
+                handler.update(values[len(names):])
+                progress.update(len(micro) * len(next(iter(micro[0].values()))), values[:len(names)],
+                                time.perf_counter() - started)
+                if exe.trace and len(history) % period == 0:
+                    progress.note(f"step {len(history)} timeline: {exe.timeline(runs).summary()}")
+                if _due(exe, options):
+                    _checkpoint(exe, program, options.checkpoint_dir, options.keep_last)
+            if exe.trace and history and len(history) % period:
+                progress.note(f"step {len(history)} timeline: {exe.timeline(runs).summary()}")
+            if options.checkpoint_dir is not None and history and not _due(exe, options):
+                _checkpoint(exe, program, options.checkpoint_dir, options.keep_last)
     finally:
         exe.trace = tracing
-    if lr_step == "epoch":
+    if options.lr_step == "epoch":
         program.lr_scheduler.step()
     return history
+
+
+class _Handler:
+    """Paddle's ``fetch_handler``: every ``period_secs`` seconds, ``handler({key: value})`` with the current
+    values of the variables of its ``var_dict`` (Paddle calls it from a monitor thread; here it is called
+    after the first step that ends ``period_secs`` or more after the previous call)."""
+
+    def __init__(self, fetch_handler: Any):
+        self.handler = fetch_handler
+        var_dict = getattr(fetch_handler, "var_dict", {}) or {}
+        self.keys = list(var_dict)
+        self.names = var_names(list(var_dict.values()))
+        self.last = time.monotonic()
+
+    def update(self, values: list) -> None:
+        if self.handler is None or time.monotonic() - self.last < getattr(self.handler, "period_secs", 60):
+            return
+        self.last = time.monotonic()
+        self.handler.handler({k: None if v is None else np.asarray(v) for k, v in zip(self.keys, values)})
+
+
+def _due(exe: "Executor", options: Options) -> bool:
+    return bool(options.checkpoint_every) and exe.global_step % options.checkpoint_every == 0
 
 
 def _checkpoint(exe: "Executor", program: framework.Program, directory: str, keep_last: int) -> None:

@@ -1,0 +1,130 @@
+"""bench/gpu_acceptance.py: skips cleanly without CUDA, and its CPU dry run passes every row.
+
+The dry run (``--cpu --quick``) runs every check of the GPU acceptance table on CPU devices, each in its
+own process, so the harness that the first GPU machine will run is exercised here."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from staticpipe._paddle import paddle
+
+pytestmark = pytest.mark.timeout(180)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench", "gpu_acceptance.py")
+ROWS = ["a. equivalence: MLP", "a. equivalence: ResNet (batch norm)", "a. equivalence: GPT (tied embedding)",
+        "b. heterogeneous cpu+gpu: DLRM", "c. seed ResNet-50: 2 stages vs 1 GPU", "d. peak memory per stage",
+        "e. 2-process launch (NCCL)"]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_bench(*args, timeout=150):
+    env = dict(os.environ)
+    env.pop("STATICPIPE_DEVICE_MAP", None)
+    return subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO)
+
+
+def has_gpu() -> bool:
+    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+
+
+def test_without_cuda_it_skips_with_a_message_and_exits_0():
+    if has_gpu():
+        pytest.skip("this machine has a GPU: the script runs the checks instead of skipping")
+    result = run_bench()
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("no CUDA device: ")
+    assert "run on a GPU machine" in result.stdout and "`python bench/gpu_acceptance.py`" in result.stdout
+    assert "| check |" not in result.stdout  # no table: nothing was run
+
+
+def test_cpu_dry_run_passes_every_row_of_the_table(tmp_path):
+    rows_file = tmp_path / "rows.json"
+    result = run_bench("--cpu", "--quick", "--json", str(rows_file), "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(rows_file.read_text())
+    rows = report["rows"]
+    assert [r["check"] for r in rows] == ROWS
+    assert all(r["status"] == "PASS" for r in rows), json.dumps(rows, indent=1)
+    assert report["environment"].startswith("CPU DRY RUN (--cpu)") and "NOT GPU results" in report["environment"]
+    # one table: a header, the Markdown header and rule, a line per row, the summary
+    table = result.stdout.splitlines()
+    assert table[0] == report["environment"]
+    assert table[2:4] == ["| check | devices | result | status | seconds |", "| --- | --- | --- | --- | --- |"]
+    assert [line.split(" | ")[0] for line in table[4:4 + len(ROWS)]] == [f"| {title}" for title in ROWS]
+    assert table[-1] == f"{len(ROWS)} checks: {len(ROWS)} passed, 0 failed, 0 skipped"
+    by_check = {r["check"]: r for r in rows}
+    for title in ROWS[:4]:  # equivalence rows state their tolerance and the largest relative difference
+        assert "max rel diff" in by_check[title]["result"] and "rtol 1e-05, atol 1e-06" in by_check[title]["result"]
+        assert by_check[title]["devices"].startswith("CPU: ")
+    assert "GradientMerge" in by_check[ROWS[1]]["result"]
+    assert by_check[ROWS[3]]["devices"] == "CPU: cpu+gpu:0 as CPU devices"
+    assert "samples/s" in by_check[ROWS[4]]["result"] and "ratio" in by_check[ROWS[4]]["result"]
+    assert "stage 0 (gpu:0) activations" in by_check[ROWS[5]]["result"]
+    assert "stage 1 (gpu:1) activations" in by_check[ROWS[5]]["result"]
+    assert "gloo (CPU dry run)" in by_check[ROWS[6]]["result"]
+    assert sorted(os.listdir(tmp_path / "logs")) == sorted(f"{key}.log" for key in
+                                                           ("a-mlp", "a-resnet", "a-gpt", "b-dlrm", "c-seed",
+                                                            "d-memory", "e-launch"))
+
+
+def test_a_failing_check_is_reported_in_its_row_and_the_others_still_run(monkeypatch, capsys):
+    bench = load_bench()
+
+    def boom(ctx):
+        raise RuntimeError("stage 1 (gpu:1) failed")
+
+    def fine(ctx):
+        return "somewhere", "all good", bench.PASS
+
+    monkeypatch.setattr(bench, "CHECKS", {"x-boom": ("x. boom", boom, True), "x-fine": ("x. fine", fine, False)})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main(--cpu) sets it; monkeypatch restores it
+    assert bench.main(["--cpu", "--in-process"]) == 1
+    out = capsys.readouterr().out
+    assert "| x. boom | - | error: RuntimeError: stage 1 (gpu:1) failed | FAIL |" in out
+    assert "| x. fine | somewhere | all good | PASS |" in out
+    assert out.splitlines()[-1] == "2 checks: 1 passed, 1 failed, 0 skipped (failed: x. boom)"
+
+
+def test_a_hung_check_is_killed_with_its_children():
+    bench = load_bench()
+    start = time.monotonic()
+    code, _ = bench.run_group([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                               "time.sleep(60)"], dict(os.environ), timeout=2)
+    assert code is None and time.monotonic() - start < 20
+
+
+def test_device_map_runs_a_longer_pipeline_on_the_gpus_there_are():
+    bench = load_bench()
+    ctx = bench.Context(cpu=True, quick=True, tf32=False)
+    assert ctx.gpus == 0 and ctx.device_map(["gpu:0", "gpu:1"]) == {}
+    assert ctx.describe(["cpu", "gpu:0"]) == "CPU: cpu+gpu:0 as CPU devices"
+    ctx.gpus = 1  # what a one-GPU machine would see
+    assert ctx.device_map(["gpu:0", "gpu:1"]) == {"gpu:1": "gpu:0"}
+    assert ctx.describe(["gpu:0", "gpu:1"]) == "gpu:0+gpu:1 on GPU 0 (device map gpu:1->gpu:0)"
+    assert ctx.describe(["cpu", "gpu:0", "gpu:1"]) == "cpu+gpu:0+gpu:1 on CPU + GPU 0 (device map gpu:1->gpu:0)"
+    ctx.gpus = 2
+    assert ctx.device_map(["gpu:0", "gpu:1", "gpu:2"]) == {"gpu:2": "gpu:0"}
+    assert ctx.describe(["gpu:0", "gpu:1"]) == "gpu:0+gpu:1 on GPU 0, GPU 1"
+
+
+def test_unknown_checks_are_refused_by_name(capsys):
+    bench = load_bench()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--only", "a-mlp,z-nope"])
+    assert "unknown check(s) ['z-nope']" in capsys.readouterr().err
