@@ -41,7 +41,7 @@ def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ..
             waits[stage] = walks[stage].send(reply)
         except StopIteration:
             waits.pop(stage, None)
-        except PipelineAborted:
+        except (PipelineAborted, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:
             raise StageError(stage, worker.device, OPT(stage), exc) from exc

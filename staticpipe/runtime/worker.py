@@ -136,7 +136,17 @@ class DeviceWorker:
 
     # --- one step -----------------------------------------------------------------------------------
     def run_step(self, job: StepJob) -> StepResult:
-        """Run the rank's actions for one step."""
+        """Run the rank's actions for one step. A failure here aborts the channel at once, so that every
+        other rank stops at its next receive, and is raised as the stage's ``StageError`` (Ctrl-C as it is)."""
+        try:
+            return self._run_step(job)
+        except PipelineAborted:
+            raise
+        except BaseException as exc:
+            job.channel.abort(str(exc) if isinstance(exc, StageError) else "interrupted")
+            raise
+
+    def _run_step(self, job: StepJob) -> StepResult:
         result = StepResult()
         program, record = job.program, job.record
         scopes: dict[tuple[int, int], core._Scope] = {}
@@ -159,7 +169,7 @@ class DeviceWorker:
                             self._send(job, action, scope)
                         else:
                             self._compute(job, action, scope, result)
-                except (PipelineAborted, StageError):
+                except (PipelineAborted, StageError, KeyboardInterrupt, SystemExit):
                     raise
                 except BaseException as exc:
                     raise StageError(action.stage, self.device, action, exc) from exc
