@@ -6,7 +6,7 @@ from . import io, schedule
 from .optimizer import PipelineOptimizer
 from .placement import Device, device_guard, parse_device, split_point
 from .plan import Plan, plan_of
-from .runtime import StageError
+from .runtime import NonFiniteError, StageError
 from .executor import Executor
 from .checkpoint import load, save
 from .saved_plan import load_plan, save_plan
@@ -14,6 +14,6 @@ from .export import export_inference
 from .partition import auto_place, profile
 from .verify import VerifyReport, verify
 
-__all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError",
+__all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError", "NonFiniteError",
            "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference",
            "auto_place", "profile", "save_plan", "load_plan"]

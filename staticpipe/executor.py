@@ -7,7 +7,9 @@ hold, so an evaluation clone of a pipelined program sees the trained values.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import threading
+from typing import Any, Iterator, Sequence
 
 from ._paddle import core, framework, np, paddle
 from .ir import var_names
@@ -33,13 +35,21 @@ class Executor:
     ``STATICPIPE_DEVICE_MAP`` environment variable ("gpu:1=gpu:0"). ``threads_per_stage`` is each CPU
     stage worker's intra-op thread budget: one number for all, or ``{device: threads}`` (devices not
     named get 1). ``trace`` records the start and end of every action; ``timeline`` returns the last step's.
+    ``check_finite``: stop at the first NaN or Inf any op writes, with a ``NonFiniteError`` naming the stage,
+    the action (so the micro-batch), the op and the variable (Paddle's ``FLAGS_check_nan_inf``, set for the
+    duration of each step; it is process-wide, so other executors' steps meanwhile are checked too).
+
+    Calls from several threads run one after the other (a step, a state read or write at a time).
     """
 
     def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1, trace: bool = False,
-                 device_map: dict[str, str] | None = None):
+                 device_map: dict[str, str] | None = None, check_finite: bool = False):
         self.place = _executor_place(place)
         self._devices = Devices(threads_per_stage, device_map)
         self._steps = StepRunner(self._devices)
+        self._steps.check_finite = bool(check_finite)
+        self._lock = threading.RLock()  # one step or state access at a time; a step calls run re-entrantly
+        self._closed = False
         self._plain = paddle.static.Executor(self.place)
         self._plain_scope = core.Scope()
         self._forward_twins: dict[Plan, framework.Program] = {}  # training plan -> its forward-only twin
@@ -69,6 +79,12 @@ class Executor:
         - any other program: plain Paddle execution on ``place`` with the state the stages hold (so an
           evaluation clone of a pipelined program sees the trained values), every argument as Paddle's.
         """
+        with self._open():
+            return self._run(program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
+                             use_program_cache, use_prune)
+
+    def _run(self, program: framework.Program | None, feed: Any, fetch_list: Sequence | None, feed_var_name: str,
+             fetch_var_name: str, scope: Any, return_numpy: bool, use_program_cache: bool, use_prune: bool) -> list:
         program = program if program is not None else paddle.static.default_main_program()
         plan = plan_of(program)
         if plan is not None and is_startup(program):
@@ -91,9 +107,19 @@ class Executor:
     def step(self, program: framework.Program, microbatches: list[dict], fetch_list: Sequence | None = None) -> list:
         """One step of pipelined ``program`` on ``microbatches`` (``num_microbatches`` batches, as a loader
         gives them); the fetched values, merged over the micro-batches."""
-        plan = require_plan(program, "step")
-        return self._pipelined(program, plan, fetch_list,
-                               lambda names: self._steps.run_microbatches(plan, list(microbatches), names))
+        with self._open():
+            plan = require_plan(program, "step")
+            return self._pipelined(program, plan, fetch_list,
+                                   lambda names: self._steps.run_microbatches(plan, list(microbatches), names))
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """Hold the executor for one call; refuse one after ``close``."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this staticpipe.Executor was closed (close() releases its workers and the "
+                                   "stages' state): create a new Executor and run the startup program")
+            yield
 
     def _pipelined(self, program: framework.Program, plan: Plan, fetch_list: Sequence | None, run: Any) -> list:
         state.set_learning_rate(self._devices, program, plan)
@@ -203,7 +229,8 @@ class Executor:
         plan = plan_of(program)
         if plan is None:
             return state.scope_state(program, self._plain_scope)
-        return state.state_dict(self._devices, plan)
+        with self._open():
+            return state.state_dict(self._devices, plan)
 
     def gathered_state_dict(self, program: framework.Program) -> dict[str, np.ndarray] | None:
         """``state_dict`` of every stage, in the process that writes checkpoints: rank 0 of a job of
@@ -212,7 +239,8 @@ class Executor:
         plan = plan_of(program)
         if plan is None:
             return self.state_dict(program)
-        return state.gathered_state_dict(self._devices, plan, self.global_step)
+        with self._open():
+            return state.gathered_state_dict(self._devices, plan, self.global_step)
 
     def set_state_dict(self, program: framework.Program, values: dict[str, Any], strict: bool = True) -> None:
         """Write ``values`` (name -> array) into every stage that holds each name. Names no stage holds
@@ -222,7 +250,8 @@ class Executor:
             for name, value in values.items():
                 self._plain_scope.var(name).get_tensor().set(np.asarray(value), self.place)
             return
-        state.set_state_dict(self._devices, plan, values, strict)
+        with self._open():
+            state.set_state_dict(self._devices, plan, values, strict)
 
     # --- devices ------------------------------------------------------------------------------------
     def scope_of(self, device: str) -> core._Scope:
@@ -234,7 +263,10 @@ class Executor:
         return self._devices.local_stages(plan)
 
     def close(self) -> None:
-        self._devices.close()
+        """Stop the workers and drop the stages' state; a later call on this executor is refused."""
+        with self._lock:
+            self._closed = True
+            self._devices.close()
 
 
 def _executor_place(place: Any) -> core.Place:

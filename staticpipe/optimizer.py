@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ._paddle import framework, paddle
-from .plan import Plan, attach_plan
+from ._paddle import OP_ROLE, ROLE_OPTIMIZE, framework, paddle
+from .plan import Plan, attach_plan, plan_of
 from .rewrite import PlanOptions, plan_with
 from .schedule.simulate import StageCosts
 
@@ -60,9 +60,23 @@ class PipelineOptimizer:
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
                  parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:
         program = loss.block.program
+        if plan_of(program) is not None:
+            raise ValueError("minimize was already called on this program: it holds a pipeline plan (and the "
+                             "backward and optimizer ops of the first call); build the program again to minimize "
+                             "it anew")
         startup = startup_program or paddle.static.default_startup_program()
+        updates = _update_ops(program)
         result = self.inner.minimize(loss, startup_program=startup, parameters=parameters,
                                      no_grad_set=no_grad_set)
+        if _update_ops(program) == updates:
+            raise ValueError(f"the inner optimizer's minimize ({type(self.inner).__name__}) added no update ops to the "
+                             "program: nothing would ever train; wrap a paddle.optimizer.Optimizer")
         self.plan = plan_with(program, loss.name, self.options)
         attach_plan(self.plan, program, startup)
         return result
+
+
+def _update_ops(program: framework.Program) -> int:
+    """How many optimizer-role ops ``program`` holds (Paddle tags every parameter update with it)."""
+    return sum(1 for op in program.global_block().ops
+               if op.has_attr(OP_ROLE) and int(op.attr(OP_ROLE)) & ROLE_OPTIMIZE)

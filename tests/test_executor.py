@@ -93,7 +93,7 @@ def test_state_dict_round_trip_and_unknown_names():
     exe.run(net.main, feed=net.random_batch(16), fetch_list=[net.loss])
     state = exe.state_dict(net.main)
     assert "fc_0.w_0_velocity_0" in state and not any(k.endswith("@MERGED") for k in state)
-    changed = {k: v + 1 for k, v in state.items()}
+    changed = {k: (v + 1).astype(v.dtype) for k, v in state.items()}
     exe.set_state_dict(net.main, changed)
     for k, v in exe.state_dict(net.main).items():
         np.testing.assert_array_equal(v, changed[k])

@@ -21,7 +21,8 @@ LAYERS = [
     {"io", "trace"},
     {"rewrite"},
     {"runtime"},
-    {"", "executor", "train", "checkpoint", "saved_plan", "verify", "export", "partition", "optimizer", "launch"},
+    {"", "executor", "train", "checkpoint", "atomic", "pickled_arrays", "saved_plan", "verify", "export", "partition",
+     "optimizer", "launch"},
 ]
 # besides: the runtime executes plans without knowing how they are made, and saved plans and partitioning
 # work without the runtime

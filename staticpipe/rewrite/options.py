@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..schedule import Action, Kind, Schedule, canonical_name, check_microbatches, get_kind, parse_schedule
+from ..schedule import Action, Kind, Schedule, canonical_name, check_microbatches, get_kind, parse_action, parse_schedule
 from ..schedule.registry import check_costs
 from ..schedule.simulate import StageCosts
 
@@ -44,9 +44,10 @@ class PlanOptions:
 
     @property
     def custom(self) -> Schedule | None:
-        """The user-written schedule, or None for a named one."""
+        """The user-written schedule, or None for a named one. A dict may hold actions or their text
+        (``{0: ["0F0", "0B0", "0OPT"]}``)."""
         if isinstance(self.schedule, dict):
-            return self.schedule
+            return {_rank(r): [_action(r, a) for a in _listed(r, acts)] for r, acts in self.schedule.items()}
         if isinstance(self.schedule, str) and self.schedule.lstrip().startswith("rank "):
             return parse_schedule(self.schedule)
         return None
@@ -75,3 +76,26 @@ class PlanOptions:
         if bad:
             raise ValueError(f"recompute names stages {bad}, but the program has stages 0..{num_stages - 1}")
         return stages
+
+
+def _rank(rank: object) -> int:
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"a custom schedule's keys are ranks (integers >= 0), got {rank!r}")
+    return rank
+
+
+def _listed(rank: int, actions: object) -> list:
+    if not isinstance(actions, (list, tuple)):
+        raise ValueError(f"rank {rank} of the custom schedule must map to a list of actions, got "
+                         f"{type(actions).__name__}: {actions!r}")
+    return list(actions)
+
+
+def _action(rank: int, action: object) -> Action:
+    """An ``Action``, or its text (``"0F3"``), of rank ``rank``'s list."""
+    if isinstance(action, Action):
+        return action
+    if isinstance(action, str):
+        return parse_action(action)
+    raise ValueError(f"rank {rank} of the custom schedule holds {action!r}: actions are Action objects or their "
+                     "text (e.g. '0F3', '1B0', '0OPT')")

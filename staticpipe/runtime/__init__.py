@@ -6,6 +6,6 @@ the once-per-step exchanges; ``channel``/``distributed`` move the messages; ``wa
 whose other process failed.
 """
 from .channel import Channel, InProcessChannel
-from .errors import PipelineAborted, StageError
+from .errors import NonFiniteError, PipelineAborted, StageError
 
-__all__ = ["Channel", "InProcessChannel", "PipelineAborted", "StageError"]
+__all__ = ["Channel", "InProcessChannel", "NonFiniteError", "PipelineAborted", "StageError"]

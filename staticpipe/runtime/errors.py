@@ -1,6 +1,8 @@
 """How a failure in one stage stops the whole pipeline: the error it raises, and what the others see."""
 from __future__ import annotations
 
+import re
+
 
 class StageError(RuntimeError):
     """A stage failed; names the stage, its device and the action. ``__cause__`` is the original error."""
@@ -13,3 +15,27 @@ class StageError(RuntimeError):
 
 class PipelineAborted(RuntimeError):
     """Raised in a worker blocked on a channel when another stage failed."""
+
+
+class NonFiniteError(StageError):
+    """``Executor(check_finite=True)`` found the first NaN or Inf: names the stage, its device, the action
+    (and so the micro-batch), the op and the variable it wrote."""
+
+    _PADDLE = re.compile(r"There are NAN or INF \(num_nan=(\d+), num_inf=(\d+)[^)]*\) in \[device=[^,]*, "
+                         r"op=([^,]+), tensor=([^,\]]+)")
+
+    def __init__(self, error: StageError, op: str, variable: str, nans: int, infs: int):
+        RuntimeError.__init__(self, f"stage {error.stage} ({error.device}) failed in action {error.action}: the "
+                                    f"first non-finite value: op '{op}' wrote {nans} NaN and {infs} Inf into "
+                                    f"'{variable}'")
+        self.stage, self.device, self.action = error.stage, error.device, error.action
+        self.op, self.variable = op, variable
+
+    @classmethod
+    def of(cls, error: StageError) -> "NonFiniteError | None":
+        """The ``NonFiniteError`` a stage error is, when Paddle's NaN/Inf check raised it; else None."""
+        found = cls._PADDLE.search(str(error.__cause__ or ""))
+        if found is None:
+            return None
+        nans, infs, op, variable = found.groups()
+        return cls(error, op, variable, int(nans), int(infs))

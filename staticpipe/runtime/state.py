@@ -12,7 +12,7 @@ from typing import Any
 
 from .._paddle import core, framework, np, paddle
 from ..ir import clear_device_tags, np_dtype
-from ..plan import Plan
+from ..plan import Plan, Stage
 from .devices import Devices
 
 
@@ -76,16 +76,50 @@ def gathered_state_dict(devices: Devices, plan: Plan, step: int) -> dict[str, np
 
 def set_state_dict(devices: Devices, plan: Plan, state: dict[str, Any], strict: bool = True) -> None:
     """Write ``state`` (name -> array) into every local stage that holds each name. Names no stage holds
-    are an error, or skipped with ``strict=False``."""
+    are an error, or skipped with ``strict=False``; so is a value whose dtype is not the variable's, and
+    writing before the startup program ran (it would overwrite what is written)."""
     unknown = [n for n in state if not plan.stage_of_var(n)]
     if unknown and strict:
         raise KeyError(f"set_state_dict: no stage holds {unknown}")
-    local = {st.index for st in devices.local_stages(plan)}
+    stages = devices.local_stages(plan)
+    for stage in stages:
+        missing = uninitialised(devices, stage)
+        if missing:
+            raise ValueError(f"set_state_dict before the startup program: stage {stage.index} ({stage.device}) has "
+                             f"no value for {missing[0]!r} yet, and exe.run(startup) would overwrite what is set "
+                             "now; run the startup program first")
+    state = {name: _as_stored(devices, plan, name, value) for name, value in state.items()}
+    local = {st.index for st in stages}
     for name, value in state.items():
         for s in plan.stage_of_var(name):
             if s in local:
                 worker = devices.worker(plan.stages[s].device)
                 worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
+
+
+def _as_stored(devices: Devices, plan: Plan, name: str, value: Any) -> np.ndarray:
+    """``value`` in the dtype the stages hold ``name`` in: cast when the cast changes no number (a 0-d
+    float32 plus 1 is float64 in numpy), else ``ValueError`` naming the variable and both dtypes."""
+    value = np.asarray(value)
+    for s in plan.stage_of_var(name):
+        var = devices.worker(plan.stages[s].device).scope.find_var(name)
+        if var is None or not var.get_tensor()._is_initialized():
+            continue
+        have = np.dtype(np_dtype(var.get_tensor()._dtype()))
+        if value.dtype != have:
+            cast = value.astype(have)
+            if value.dtype.kind != have.kind or not np.array_equal(cast, value):
+                raise ValueError(f"set_state_dict: '{name}' is {have} in the program, but the value given is "
+                                 f"{value.dtype} and does not convert exactly")
+            value = cast
+    return value
+
+
+def uninitialised(devices: Devices, stage: Stage) -> list[str]:
+    """The persistables of ``stage`` (its state, not the gradient buffers) its device's scope has no value for."""
+    scope = devices.worker(stage.device).scope
+    return [n for n in stage.persistables if n not in stage.grad_buffers and not (
+        (var := scope.find_var(n)) is not None and var.get_tensor()._is_initialized())]
 
 
 def copy_stage_state(devices: Devices, program: framework.Program, scope: core._Scope, place: core.Place) -> None:

@@ -15,19 +15,24 @@ from __future__ import annotations
 import concurrent.futures as cf
 from typing import Any
 
-from .._paddle import core, np
+from .._paddle import core, np, paddle
 from ..io import FeedSpec, split_microbatches
 from ..placement import generic_place
 from ..plan import FORWARD, FORWARD_ONLY, OPTIMIZE, PER_MICROBATCH, Plan
 from .devices import Devices
-from .errors import PipelineAborted
+from . import state
+from .errors import NonFiniteError, PipelineAborted, StageError
 from .worker import RankProgram, StepJob, StepResult
+
+
+NAN_INF_FLAG = "FLAGS_check_nan_inf"
 
 
 class StepRunner:
     def __init__(self, devices: Devices):
         self.devices = devices
         self.trace = False  # record (action, start, end) of every action of the next steps
+        self.check_finite = False  # stop at the first NaN or Inf an op writes (Paddle's FLAGS_check_nan_inf)
         self.global_step = 0  # training steps whose actions all ran (their updates are applied)
         self.records: list[tuple] = []  # of the last traced step
         self._bound: dict[Plan, int] = {}  # plan -> the micro-batch size its first step fixed
@@ -99,7 +104,14 @@ class StepRunner:
         made here in the calling thread for each new fetch list."""
         programs = self._programs.get(plan)
         if programs is None:
-            local = self._local[plan] = self.devices.local_stages(plan)
+            local = self.devices.local_stages(plan)
+            for stage in local:
+                missing = state.uninitialised(self.devices, stage)
+                if missing:
+                    raise ValueError(f"stage {stage.index} ({stage.device}) has no value for {missing[0]!r}"
+                                     f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: run the "
+                                     "startup program (exe.run(startup)) before the first step")
+            self._local[plan] = local
             mine = {s.index for s in local}
             self._places[plan] = {s.index: generic_place(self.devices.place_of(s.device) if s.index in mine
                                                          else core.CPUPlace()) for s in plan.stages}
@@ -132,6 +144,8 @@ class StepRunner:
                                            micro_batch_size, shapes, record)) for rank, program in programs.items()]
         here = jobs.pop(0) if self.devices.world is None else None
         futures = [self.devices.submit(device, self.devices.worker(device).run_step, job) for device, job in jobs]
+        flags = paddle.get_flags(NAN_INF_FLAG)
+        paddle.set_flags({NAN_INF_FLAG: self.check_finite})  # process-wide: set for this step, then put back
         try:
             results, failure = [], None
             if here is not None:
@@ -148,7 +162,12 @@ class StepRunner:
             # next step starts clean
             for stage in local:
                 self.devices.worker(stage.device).init_stage(stage)
+            non_finite = NonFiniteError.of(exc) if self.check_finite and isinstance(exc, StageError) else None
+            if non_finite is not None:
+                raise non_finite from exc
             raise
+        finally:
+            paddle.set_flags(flags)
         fetched: dict[str, list] = {}
         for r in results:
             fetched.update(r.fetched)
