@@ -272,3 +272,33 @@ def test_a_device_map_keeps_a_worker_per_stage_and_the_same_training(monkeypatch
     assert exe.scope_of("gpu:0") is not exe.scope_of("gpu:1")
     plan = staticpipe.plan_of(net.main)
     assert plan.stages[1].parameters and exe.scope_of("gpu:0").find_var(plan.stages[1].parameters[0]) is None
+
+
+@pytest.mark.parametrize("samples, batch_size, why", [
+    (0, MBS, "the loader gave no batch: its data source yielded nothing"),
+    (3, MBS, "the loader gave no batch: its data had 3 sample(s), fewer than batch_size=4, and drop_last=True "
+             "dropped them"),
+    (3 * MBS, MBS, "the loader gave 3 batch(es), fewer than the num_microbatches=4 a step takes"),
+])
+def test_an_epoch_without_a_step_is_an_error_that_says_why(samples, batch_size, why):
+    net = pipelined()
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    loader = started_loader(net, samples=samples, batch_size=batch_size)
+    with pytest.raises(ValueError, match=re.escape(f"the epoch trained no step: {why}")):
+        exe.train_from_dataset(net.main)
+    loader.reset()
+
+
+def test_training_again_without_reset_is_refused():
+    net = pipelined()
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    loader = started_loader(net)
+    exe.train_from_dataset(net.main)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "the DataLoader's epoch has ended: call loader.reset() and loader.start() before the next one")):
+        exe.train_from_dataset(net.main)
+    loader.reset()
+    loader.start()
+    assert len(exe.train_from_dataset(net.main)) == 4

@@ -15,12 +15,15 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .._paddle import core, framework, paddle
 from .dataset import DatasetSource
+from .epoch import EpochStats
 from .feed import Batch, FeedSpec, to_batch
-from .prefetch import Item as _Item, Prefetcher, Producer
+from .generators import Source, batch_source, check_reader, sample_list_source, sample_source
+from .prefetch import Item, Prefetcher, Producer
 from .process import ProcessPrefetcher
 from .registry import hold, program_of, register
 
 _NOT_STARTED = "DataLoader is not started: call loader.start() before training (non-iterable mode)"
+_ENDED = "the DataLoader's epoch has ended: call loader.reset() and loader.start() before the next one"
 _NO_SOURCE = (
     "DataLoader has no data source: call set_sample_generator, set_sample_list_generator "
     "or set_batch_generator first"
@@ -41,6 +44,11 @@ class DataLoader:
     entry per place, because its executor feeds each device itself; here one batch feeds the whole pipeline
     (the pipeline executor places each variable on its stage), so there is no per-place wrapper.
     :meth:`epoch`, what the training loop reads, yields dicts whatever ``return_list`` is.
+
+    :attr:`last_epoch` counts what the current or last epoch gave (batches, samples, samples dropped as a
+    partial batch); the loader never complains about an empty epoch itself: its caller knows whether that is
+    an error. ``batch_size``: samples per batch where the loader batches them (``set_sample_generator``, a
+    dataset without ``batch_sampler``), else ``None``.
     """
 
     JOIN_TIMEOUT_S = 1.0
@@ -74,11 +82,15 @@ class DataLoader:
         ``paddle.io.get_worker_info()`` is ``None`` in the workers, and an IterableDataset takes no workers.
         """
         self._setup(feed_list, True, return_list, drop_last)
+        self._check_flags(return_list=return_list)
         self._dataset = DatasetSource(dataset, self.feed_names, batch_sampler, batch_size, shuffle, drop_last,
                                       collate_fn, num_workers, prefetch_factor, timeout, worker_init_fn)
         self.dataset, self.batch_sampler = dataset, self._dataset.batch_sampler
         self.num_workers = self._dataset.num_workers
+        self.batch_size = batch_size if batch_sampler is None else None
         self._open = self._dataset.open
+        self._origin = ("made by the dataset's collate_fn" if collate_fn is not None
+                        else "made of the dataset's samples by the default collate")
         register(self)
 
     @classmethod
@@ -98,11 +110,14 @@ class DataLoader:
         forked producer process instead of a thread (so it must not rely on the parent's later state).
         """
         capacity = cls.DEFAULT_CAPACITY if capacity is None else capacity
-        if not isinstance(capacity, numbers.Integral) or capacity < 1:
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1:
             raise ValueError(f"capacity must be a positive integer (batches prefetched), got {capacity!r}")
         loader = cls.__new__(cls)  # not __init__: that is Paddle's dataset constructor
         loader._setup(feed_list, iterable, return_list, drop_last)
+        loader._check_flags(iterable=iterable, return_list=return_list, use_multiprocess=use_multiprocess,
+                            drop_last=drop_last)
         loader._dataset = None
+        loader.batch_size = None
         loader.capacity = int(capacity)
         # on CPU the prefetch queue is the only buffer; there is no device copy for a second one to overlap
         loader.use_double_buffer = use_double_buffer
@@ -134,7 +149,17 @@ class DataLoader:
         # batch of samples: set_sample_generator's drop_last)
         self.drop_last = drop_last
         self._open: Callable[[], Producer] | None = None
+        self._origin = ""  # what makes the batches ("made by ..."), for the note on a batch's errors
         self._prefetcher: Producer | None = None
+        self._last_epoch: EpochStats | None = None
+        self._eof_raised = False  # next_batch raised EOFException in this epoch: a second call is a mistake
+
+    @staticmethod
+    def _check_flags(**flags: Any) -> None:
+        """A flag that is not a bool (``iterable="False"`` is true) would silently pick the wrong mode."""
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
 
     # -- what the executor asks
 
@@ -156,6 +181,13 @@ class DataLoader:
         """Whether a non-iterable loader is between ``start()`` and ``reset()``; never for iterable ones."""
         return not self.iterable and self._prefetcher is not None
 
+    @property
+    def last_epoch(self) -> EpochStats | None:
+        """What the current epoch gave so far, or the last one (see :class:`~.epoch.EpochStats`); ``None``
+        before the first. E.g. ``batches == 0 and dropped_samples``: the source gave fewer samples than
+        ``batch_size`` and ``drop_last=True`` dropped them all."""
+        return self._last_epoch
+
     def __len__(self) -> int:
         """Batches per epoch, for a loader over a map-style dataset (as Paddle's)."""
         if self._dataset is None:
@@ -172,46 +204,37 @@ class DataLoader:
         variable name, or (for a single feed variable) the bare value; they are stacked ``batch_size`` at a
         time, and a last, smaller batch is kept unless ``drop_last``."""
         self._check_generator(reader, "set_sample_generator")
-        if not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-
-        def source() -> Iterator[_Item]:
-            samples: list[Any] = []
-            for sample in reader():
-                samples.append(sample)
-                if len(samples) == batch_size:
-                    yield "samples", samples
-                    samples = []
-            if samples and not drop_last:
-                yield "samples", samples
-
-        return self._use(source)
+        self._check_flags(drop_last=drop_last)
+        self.batch_size = int(batch_size)
+        return self._use(sample_source(reader, int(batch_size), drop_last), "made by set_sample_generator's reader")
 
     def set_sample_list_generator(
         self, reader: Callable[[], Iterable[Sequence[Any]]], places: Any = None
     ) -> DataLoader:
         """``reader()`` yields lists of samples, each list one batch."""
         self._check_generator(reader, "set_sample_list_generator")
-        return self._use(lambda: (("samples", list(samples)) for samples in reader()))
+        self.batch_size = None
+        return self._use(sample_list_source(reader), "made by set_sample_list_generator's reader")
 
     def set_batch_generator(self, reader: Callable[[], Iterable[Any]], places: Any = None) -> DataLoader:
         """``reader()`` yields whole batches: a tuple/list with one array per feed variable, or a dict
         keyed by feed variable name."""
         self._check_generator(reader, "set_batch_generator")
-        return self._use(lambda: (("batch", batch) for batch in reader()))
+        self.batch_size = None
+        return self._use(batch_source(reader), "made by set_batch_generator's reader")
 
     def _check_generator(self, reader: Any, method: str) -> None:
         if self._dataset is not None:
             raise RuntimeError(f"{method} is for loaders made by DataLoader.from_generator; this loader reads "
                                f"its dataset ({type(self._dataset.dataset).__name__})")
-        if not callable(reader):
-            raise TypeError(
-                f"reader must be a callable returning an iterator (e.g. a generator function), got {reader!r}"
-            )
+        check_reader(reader, method)
 
-    def _use(self, source: Callable[[], Iterable[_Item]]) -> DataLoader:
+    def _use(self, source: Source, origin: str) -> DataLoader:
         kind = ProcessPrefetcher if self.use_multiprocess else Prefetcher
         self._open = partial(kind, source, self.capacity)
+        self._origin = origin
         return self
 
     # -- iterable mode
@@ -230,7 +253,8 @@ class DataLoader:
         """One epoch of batches as ``{name: array}`` dicts, in either mode.
 
         Iterable mode: starts a fresh epoch (ending any earlier one still running). Non-iterable mode:
-        drains the epoch begun by ``start()``, stopping at EOF; ``reset()`` stays the caller's job.
+        drains the epoch begun by ``start()``, stopping at EOF; ``reset()`` stays the caller's job, and an
+        epoch that has ended (read to its end, or failed) is refused rather than read again as empty.
         """
         if self._open is None:
             raise RuntimeError(_NO_SOURCE)
@@ -238,25 +262,60 @@ class DataLoader:
             return self._iterable_epoch()
         if self._prefetcher is None:
             raise RuntimeError(_NOT_STARTED)
-        return self._drain()
+        if self._prefetcher.done:
+            raise RuntimeError(_ENDED)
+        return self._drain(self._prefetcher)
+
+    def _begin(self) -> Producer:
+        self._prefetcher = self._open()
+        self._last_epoch = EpochStats()
+        self._eof_raised = False
+        return self._prefetcher
+
+    def _take(self, prefetcher: Producer) -> Batch | None:
+        """The epoch's next batch, checked, or ``None`` at its end; counted in ``last_epoch`` either way."""
+        if prefetcher is not self._prefetcher:  # an iterator of an epoch that reset() or a newer epoch ended
+            return None
+        while (item := self._get(prefetcher)) is not None:
+            kind, payload = item
+            if kind == "dropped":
+                self._last_epoch = self._last_epoch.with_dropped(payload)
+                continue
+            try:
+                batch = to_batch(self._specs, item)
+            except Exception as e:
+                e.add_note(f"(checking batch {self._last_epoch.batches} of the DataLoader's epoch, {self._origin})")
+                self._last_epoch = self._last_epoch.with_failure()
+                raise
+            first = next(iter(batch.values()))
+            self._last_epoch = self._last_epoch.with_batch(len(first) if first.ndim else 1)
+            return batch
+        self._last_epoch = self._last_epoch.completed()
+        return None
+
+    def _get(self, prefetcher: Producer) -> Item | None:
+        try:
+            return prefetcher.get()
+        except BaseException:
+            if prefetcher.done:  # the source's error, not the consumer interrupted while it waited
+                self._last_epoch = self._last_epoch.with_failure()
+            raise
 
     def _iterable_epoch(self) -> Iterator[Batch]:
         self.reset()  # started lazily, so an iterator never advanced holds no thread or process
-        prefetcher = self._prefetcher = self._open()
+        prefetcher = self._begin()
         try:
-            while (item := prefetcher.get()) is not None:
-                yield to_batch(self._specs, item)
+            while (batch := self._take(prefetcher)) is not None:
+                yield batch
         finally:  # also runs when the consumer breaks out or drops the iterator
             prefetcher.close(self.JOIN_TIMEOUT_S)
             if self._prefetcher is prefetcher:
                 self._prefetcher = None
 
-    def _drain(self) -> Iterator[Batch]:
-        while True:
-            try:
-                batch = self.next_batch()
-            except core.EOFException:
-                return
+    def _drain(self, prefetcher: Producer) -> Iterator[Batch]:
+        """The rest of the started epoch; its end raises no EOFException here, so a later ``next_batch``
+        still raises the one that Paddle's loop expects."""
+        while (batch := self._take(prefetcher)) is not None:
             yield batch
 
     # -- non-iterable mode
@@ -270,19 +329,23 @@ class DataLoader:
             raise RuntimeError(_NO_SOURCE)
         if self._prefetcher is not None:
             raise RuntimeError("DataLoader is already started: call loader.reset() before loader.start() again")
-        self._prefetcher = self._open()
+        self._begin()
         hold(self, True)
 
     def next_batch(self) -> Batch:
-        """Next batch of the started epoch; raises ``core.EOFException`` at its end, as ``exe.run`` does."""
+        """Next batch of the started epoch; raises ``core.EOFException`` once at its end, as ``exe.run`` does,
+        and a ``RuntimeError`` if called again before ``reset()`` (a loop that missed the EOF)."""
         if self.iterable:
             raise RuntimeError("next_batch() is for non-iterable loaders (iterable=False); iterate this loader instead")
         if self._prefetcher is None:
             raise RuntimeError(_NOT_STARTED)
-        item = self._prefetcher.get()
-        if item is None:
+        if self._eof_raised:
+            raise RuntimeError(_ENDED)
+        batch = self._take(self._prefetcher)
+        if batch is None:
+            self._eof_raised = True
             raise core.EOFException("DataLoader epoch ended: call loader.reset() before the next loader.start()")
-        return to_batch(self._specs, item)
+        return batch
 
     def reset(self) -> None:
         """End the current epoch, stopping its producer; safe to call at any time, in both modes."""

@@ -7,6 +7,7 @@ from a shared index queue: each is then a plain producer process, so batches com
 and a dead or failing worker is reported, with the same machinery as ``use_multiprocess``. The epoch's
 batches are drawn from the sampler up front, on the caller's thread: the shuffle then consumes numpy's
 global random state exactly as ``list(paddle.io.BatchSampler(...))`` would, whatever ``num_workers`` is.
+What ``drop_last`` left out is sent as a last item of the epoch, ``("dropped", count)``, for the loader to count.
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ class DatasetSource:
             raise TypeError(f"dataset must be a paddle.io.Dataset (__getitem__ and __len__) or a "
                             f"paddle.io.IterableDataset, got {type(dataset).__name__}")
         for name, value, low in (("num_workers", num_workers, 0), ("prefetch_factor", prefetch_factor, 1)):
-            if not isinstance(value, numbers.Integral) or value < low:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not isinstance(timeout, numbers.Real) or timeout < 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout < 0:
             raise ValueError(f"timeout must be a number of seconds >= 0 (0: wait for ever), got {timeout!r}")
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable (list of samples -> batch), got {collate_fn!r}")
@@ -77,33 +78,54 @@ class DatasetSource:
         """Start one epoch: a prefetch thread (``num_workers=0``) or ``num_workers`` worker processes."""
         if self.iterable:
             return Prefetcher(self._stream, self._prefetch_factor, _LABEL)
-        batches = [list(indices) for indices in self.batch_sampler]
+        batches = self._batches()
+        # the epoch's items, each made by calling it: the batches, then what drop_last left out. Workers take
+        # them round robin, so the last item comes from the worker whose turn is next, and in order
+        tasks: list[Callable[[], Item]] = [partial(self._load, indices) for indices in batches]
+        dropped = len(self.dataset) - sum(map(len, batches)) if self._drop_last else 0
+        if dropped:
+            tasks.append(lambda: ("dropped", dropped))
         if not self.num_workers:
-            return Prefetcher(partial(map, self._load, batches), self._prefetch_factor, _LABEL)
+            return Prefetcher(partial(_run, tasks), self._prefetch_factor, _LABEL)
         # the workers' random seeds, from Python's generator so that numpy's (the sampler's) runs on as with
         # num_workers=0: every epoch keeps its batches whatever num_workers is
         base_seed = random.randrange(2**31 - self.num_workers)
         n = self.num_workers
         return RoundRobin([
-            ProcessPrefetcher(partial(map, self._load, batches[k::n]), self._prefetch_factor,
+            ProcessPrefetcher(partial(_run, tasks[k::n]), self._prefetch_factor,
                               label=f"staticpipe DataLoader worker {k}", init=partial(self._init_worker, k, base_seed),
                               timeout=self._timeout)
             for k in range(n)
         ])
+
+    def _batches(self) -> list[list[int]]:
+        """The epoch's batches of sample indices, from the batch sampler; an error names a sampler that yields
+        something else."""
+        batches = []
+        for number, indices in enumerate(self.batch_sampler):
+            if isinstance(indices, (str, bytes, dict)) or not hasattr(indices, "__iter__"):
+                raise TypeError(f"the DataLoader's batch_sampler yielded {indices!r} as batch {number}, not a list of "
+                                "sample indices")
+            batches.append(list(indices))
+        return batches
 
     def _init_worker(self, worker_id: int, base_seed: int) -> None:
         """In worker ``worker_id``: seeds of its own, as Paddle's workers have, then ``worker_init_fn``."""
         random.seed(base_seed + worker_id)
         np.random.seed(base_seed + worker_id)
         if self._worker_init_fn is not None:
-            self._worker_init_fn(worker_id)
+            try:
+                self._worker_init_fn(worker_id)
+            except BaseException as e:
+                e.add_note(f"(in the DataLoader's worker_init_fn({worker_id}))")
+                raise
 
     def _load(self, indices: list[int]) -> Item:
         samples = []
         for index in indices:
             try:
                 samples.append(self.dataset[index])
-            except Exception as e:
+            except BaseException as e:  # a KeyboardInterrupt too: it reaches the consumer, naming the sample
                 e.add_note(f"(loading sample index {index} of the DataLoader's dataset)")
                 raise
         return self._collate(samples, f"sample indices {indices}")
@@ -116,15 +138,21 @@ class DatasetSource:
             if len(samples) == self._batch_size:
                 yield self._collate(samples, f"samples {samples_seen - len(samples)}..{samples_seen - 1}")
                 samples = []
-        if samples and not self._drop_last:
+        if samples and self._drop_last:
+            yield "dropped", len(samples)
+        elif samples:
             yield self._collate(samples, f"the last {len(samples)} samples")
 
     def _collate(self, samples: list, which: str) -> Item:
         try:
             return "batch", (collate(self._names, samples) if self._collate_fn is None else self._collate_fn(samples))
-        except Exception as e:
+        except BaseException as e:
             e.add_note(f"(collating the DataLoader batch of {which} of its dataset)")
             raise
+
+
+def _run(tasks: list[Callable[[], Item]]) -> Iterator[Item]:
+    return (task() for task in tasks)
 
 
 def _batch_sampler(dataset: Any, iterable: bool, batch_sampler: Any, batch_size: Any, shuffle: Any,
@@ -147,7 +175,7 @@ def _batch_sampler(dataset: Any, iterable: bool, batch_sampler: Any, batch_size:
     if batch_size is None:
         raise ValueError("batch_size=None (the dataset yields whole batches) is not supported: give a batch_size, "
                          "or a batch generator through DataLoader.from_generator(...).set_batch_generator")
-    if not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if iterable:
         if shuffle:

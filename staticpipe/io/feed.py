@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -31,7 +32,7 @@ class FeedSpec:
 
         Checked here rather than left to Paddle so that the error names the variable and both shapes.
         """
-        array = np.asarray(value)
+        array = _array(self.name, value, "received")
         if array.ndim != len(self.shape) or any(
             want != -1 and want != got for want, got in zip(self.shape, array.shape)
         ):
@@ -44,8 +45,23 @@ class FeedSpec:
         return np.asarray(array, dtype=self.dtype)
 
 
+def _array(name: str, value: Any, what: str) -> np.ndarray:
+    """``value`` as an array of numbers, or an error naming the feed variable and the value (``what``: which
+    value it is). Why: numpy's own errors (ragged lists) name neither, and ``None`` would become an object array
+    that fails far from here."""
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"feed variable {name!r}: {what} {reprlib.repr(value)}, which is not an array of numbers "
+                         f"({e})") from None
+    if array.dtype.kind == "O":
+        raise ValueError(f"feed variable {name!r}: {what} {reprlib.repr(value)}, which is not an array of numbers "
+                         "(numpy reads it as objects: it holds a None or another value that is not a number)")
+    return array
+
+
 def stack_samples(name: str, values: list[Any]) -> np.ndarray:
-    arrays = [np.asarray(v) for v in values]
+    arrays = [_array(name, v, f"sample {i} of the batch is") for i, v in enumerate(values)]
     shapes = sorted({a.shape for a in arrays})
     if len(shapes) > 1:
         raise ValueError(f"feed variable {name!r}: samples of one batch have different shapes {shapes}")
@@ -67,7 +83,8 @@ def fields(names: Sequence[str], item: Any, what: str) -> Sequence[Any]:
     if not isinstance(item, (tuple, list)):
         if len(names) == 1:
             return (item,)
-        item = (item,)
+        raise ValueError(f"expected a tuple/list of {len(names)} fields per {what} (feed variables {list(names)}) or "
+                         f"a dict keyed by them, received {reprlib.repr(item)} of type {type(item).__name__}")
     if len(item) != len(names):
         raise ValueError(
             f"expected {len(names)} fields per {what} (feed variables {list(names)}), received {len(item)}"
@@ -101,7 +118,7 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> list[Batch]:
     Equal sizes because every microbatch runs the same compiled program, and the pipeline averages
     their gradients with equal weights.
     """
-    if not isinstance(num_microbatches, numbers.Integral) or num_microbatches < 1:
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, numbers.Integral) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     if not batch:
         raise ValueError("cannot split an empty batch (no feed variables)")

@@ -5,12 +5,19 @@ import queue
 import threading
 from typing import Any, Callable, Iterable, Protocol
 
-# a queue item: ("samples", list of samples) to stack, or ("batch", one whole batch)
+# a queue item: ("samples", list of samples) to stack, ("batch", one whole batch), or, last, ("dropped", number
+# of samples left out as a partial last batch), which the loader counts (``DataLoader.last_epoch``)
 Item = tuple[str, Any]
 
 
 class Producer(Protocol):
-    """What a loader reads an epoch from: this thread, a producer process, or worker processes."""
+    """What a loader reads an epoch from: this thread, a producer process, or worker processes.
+
+    ``done``: the stream is over, its end or its failure handed out (not merely a consumer interrupted while
+    waiting), so that the loader can tell an ended epoch from one still running.
+    """
+
+    done: bool
 
     def get(self) -> Item | None: ...
 
@@ -20,7 +27,7 @@ class Producer(Protocol):
 class _Failure:
     """Carries an exception from the producer thread to the consumer."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
@@ -42,7 +49,7 @@ class Prefetcher:
         self._label = label  # what runs on the thread, for the note on its errors
         self._queue: queue.Queue = queue.Queue(maxsize=capacity)
         self._stop = threading.Event()
-        self._done = False
+        self.done = False
         self._thread = threading.Thread(
             target=self._produce, args=(source,), name="staticpipe.io.DataLoader", daemon=True
         )
@@ -66,7 +73,9 @@ class Prefetcher:
                 if not self._put(item):
                     return
             self._put(_END)
-        except Exception as e:  # handed to the consumer, which re-raises it with this traceback
+        # every kind, KeyboardInterrupt and SystemExit too: left to this thread they would end the epoch as if the
+        # generator were exhausted (threading drops SystemExit silently); the consumer re-raises it, with this traceback
+        except BaseException as e:
             e.add_note(f"(raised in {self._label}, on its prefetch thread)")
             self._put(_Failure(e))
         finally:
@@ -76,7 +85,7 @@ class Prefetcher:
 
     def get(self) -> Item | None:
         """Next item, ``None`` at the end (or once closed); re-raises the generator's exception."""
-        while not self._done and not self._stop.is_set():
+        while not self.done and not self._stop.is_set():
             try:
                 item = self._queue.get(timeout=self._POLL_S)
             except queue.Empty:
@@ -86,10 +95,10 @@ class Prefetcher:
             if item is _END:
                 break
             if isinstance(item, _Failure):
-                self._done = True
+                self.done = True
                 raise item.error
             return item
-        self._done = True
+        self.done = True
         return None
 
     def close(self, timeout: float) -> None:

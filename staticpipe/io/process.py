@@ -43,7 +43,7 @@ class ProcessPrefetcher:
     ) -> None:
         self._label = label
         self._timeout = timeout
-        self._done = False
+        self.done = False
         self._reader, writer = _CONTEXT.Pipe(duplex=False)
         args = (source, init, writer, capacity, label, os.getpid())
         self._process = _CONTEXT.Process(target=_produce, args=args, name=NAME, daemon=True)
@@ -53,10 +53,10 @@ class ProcessPrefetcher:
     def get(self) -> Item | None:
         """Next item, ``None`` at the end (or once closed); re-raises the source's exception."""
         deadline = time.monotonic() + self._timeout if self._timeout else None
-        while not self._done:
+        while not self.done:
             if not self._reader.poll(_POLL_S):
                 if deadline is not None and time.monotonic() > deadline:
-                    self._done = True
+                    self.done = True
                     raise RuntimeError(f"{self._label} (pid {self._process.pid}) sent no batch within "
                                        f"timeout={self._timeout} s")
                 if self._process.is_alive() or self._reader.poll(0):
@@ -68,7 +68,7 @@ class ProcessPrefetcher:
                 raise self._died() from None
             if kind == "item":
                 return payload
-            self._done = True
+            self.done = True
             if kind == "error":
                 raise payload
             if kind == "failure":
@@ -76,7 +76,7 @@ class ProcessPrefetcher:
         return None
 
     def _died(self) -> RuntimeError:
-        self._done = True
+        self.done = True
         self._process.join(1.0)
         code = self._process.exitcode
         how = f" (killed by signal {_signal_name(-code)})" if code is not None and code < 0 else ""
@@ -85,7 +85,7 @@ class ProcessPrefetcher:
 
     def close(self, timeout: float) -> None:
         """Stop the child now (terminate, then kill after ``timeout``): it holds nothing worth a graceful exit."""
-        self._done = True
+        self.done = True
         process = self._process
         if process.exitcode is None:
             process.terminate()
@@ -102,19 +102,19 @@ class RoundRobin:
     def __init__(self, producers: Sequence[Producer]) -> None:
         self._producers = list(producers)
         self._turn = 0
-        self._done = False
+        self.done = False
 
     def get(self) -> Item | None:
-        if self._done:
+        if self.done:
             return None
-        self._done = True  # until the item arrives: after an error or the end, the stream stays ended
+        self.done = True  # until the item arrives: after an error or the end, the stream stays ended
         item = self._producers[self._turn].get()
         self._turn = (self._turn + 1) % len(self._producers)
-        self._done = item is None
+        self.done = item is None
         return item
 
     def close(self, timeout: float) -> None:
-        self._done = True
+        self.done = True
         for producer in self._producers:
             producer.close(timeout)
 
@@ -170,13 +170,13 @@ def _send(outbox: queue.Queue, writer: Any) -> None:
 
 def _failure(error: BaseException, label: str) -> tuple[str, Any]:
     """What carries ``error`` to the consumer: the exception itself where it survives pickling, so that the
-    consumer raises the same type, else its text for a ``RuntimeError``; the child's traceback either way."""
+    consumer raises the same type (a ``KeyboardInterrupt`` or ``SystemExit`` the source raised too: the
+    consumer, as with the prefetch thread, decides what it ends), else its text for a ``RuntimeError``; the
+    child's traceback either way."""
     text = "".join(traceback.format_exception(error)).rstrip()
-    if isinstance(error, Exception):  # SystemExit and the like must not end the parent
-        error.add_note(f"(raised in {label}, pid {os.getpid()}; the traceback there:\n{text})")
-        try:
-            pickle.loads(pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL))
-            return "error", error
-        except Exception:  # an exception class that cannot be rebuilt from its pickle
-            pass
-    return "failure", f"{label} (pid {os.getpid()}) raised {type(error).__qualname__}: {error}\n{text}"
+    error.add_note(f"(raised in {label}, pid {os.getpid()}; the traceback there:\n{text})")
+    try:
+        pickle.loads(pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL))
+        return "error", error
+    except Exception:  # an exception class that cannot be rebuilt from its pickle
+        return "failure", f"{label} (pid {os.getpid()}) raised {type(error).__qualname__}: {error}\n{text}"

@@ -109,9 +109,25 @@ def _epoch(exe: "Executor", program: framework.Program, runs: framework.Program,
                 _checkpoint(exe, program, options.checkpoint_dir, options.keep_last)
     finally:
         exe.trace = tracing
+    if not history:
+        raise ValueError(f"the epoch trained no step: {_why_empty(loader, m)}")
     if options.lr_step == "epoch":
         program.lr_scheduler.step()
     return history
+
+
+def _why_empty(loader: Any, num_microbatches: int) -> str:
+    """Why an epoch of ``loader`` made no step, from its counts (``DataLoader.last_epoch``)."""
+    stats = getattr(loader, "last_epoch", None)
+    if stats is None:
+        return "the loader gave no batch"
+    if stats.batches:
+        return (f"the loader gave {stats.batches} batch(es), fewer than the num_microbatches={num_microbatches} "
+                "a step takes (a loader batch is one micro-batch)")
+    if stats.dropped_samples:
+        return (f"the loader gave no batch: its data had {stats.dropped_samples} sample(s), fewer than "
+                f"batch_size={loader.batch_size}, and drop_last=True dropped them")
+    return "the loader gave no batch: its data source yielded nothing"
 
 
 class _Handler:
