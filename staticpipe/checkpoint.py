@@ -1,133 +1,188 @@
-"""Checkpoints of pipelined programs in Paddle's own formats, written atomically.
+"""Checkpoints of pipelined programs in Paddle's own formats: replaced atomically, verified before they
+are applied, loaded without running code.
 
 A checkpoint is a directory:
-- ``model.pdparams``: the parameters, ``{name: ndarray}`` pickled as ``paddle.static.save`` writes them,
-  so ``paddle.static.load(program, "<dir>/model")`` loads it into the single-device program too;
+- ``model.pdparams``: the parameters, ``{name: ndarray}`` pickled (protocol 4) as ``paddle.static.save``
+  writes them, so ``paddle.static.load(program, "<dir>/model")`` loads it into the single-device program;
 - ``model.pdopt``: the optimizer state (accumulators, the learning-rate variable) in the same form;
-- ``meta.json``: the global step and the learning-rate scheduler's state.
+- ``meta.json``: ``format`` (2), ``step`` (the global step), ``lr_scheduler`` (the scheduler's
+  ``state_dict``, or null) and ``files``: each of the two files above as ``{"sha256": hex, "bytes": size}``
+  (a ``files`` without ``model.pdopt`` would mean a checkpoint without optimizer state).
+A directory without ``meta.json``, as ``paddle.static.save(program, "<dir>/model")`` writes it, loads too:
+as step 0, both files required, without checksums to verify.
 
-Why a directory replaced in one rename: a save writes ``<dir>.tmp`` completely, moves the old
-checkpoint aside, renames the new one into place, then deletes the old one. A crash at any point
-leaves either the old or the new checkpoint whole, and ``load`` recovers the moved-aside one.
+Why this shape: a save replaces the directory through ``atomic.atomic_directory``, so a crash at any moment
+leaves the previous checkpoint or the new one whole, and nothing it did not create is touched. A load is
+all or nothing: it reads and checks every file (present, of the size and sha256 ``meta.json`` recorded,
+nothing but arrays inside, unpickled without running code; see ``pickled_arrays``), ``meta.json`` field
+by field, and every variable (each parameter and optimizer state of the program present, none unknown,
+shapes and dtypes as the program declares) before it changes any state.
 """
 from __future__ import annotations
 
-import contextlib
+import copy
 import json
 import os
-import pickle
-import shutil
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
+from . import pickled_arrays
 from ._paddle import framework, np
+from .atomic import atomic_directory, recover_directory
+from .ir import np_dtype
 
 if TYPE_CHECKING:
     from .executor import Executor
 
 PARAMS, OPT, META = "model.pdparams", "model.pdopt", "meta.json"
+FORMAT = 2  # 2: sha256 and size of every file in meta.json
+WHAT = "a checkpoint"
 
 
-def _state_names(program: framework.Program) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(parameters, other persistable state) of ``program``, each name -> shape."""
-    params = {p.name: tuple(p.shape) for p in program.global_block().all_parameters()}
-    others = {v.name: tuple(v.shape) for v in program.list_vars()
+def _state_vars(program: framework.Program) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(parameters, other persistable state) of ``program``, each name -> (shape, numpy dtype name)."""
+    params = {p.name: (tuple(p.shape), np_dtype(p)) for p in program.global_block().all_parameters()}
+    others = {v.name: (tuple(v.shape), np_dtype(v)) for v in program.list_vars()
               if v.persistable and v.name not in params and "@GRAD" not in v.name
               and v.type == framework.core.VarDesc.VarType.LOD_TENSOR}
     return params, others
 
 
 def save(program: framework.Program, path: str, exe: "Executor", step: int | None = None) -> bool:
-    """Write every parameter and optimizer state of ``program`` (gathered from all stages) to ``path``,
-    with the global step (default: the executor's) and the learning-rate scheduler's state.
+    """Write every parameter and optimizer state of ``program`` (gathered from all stages) to the directory
+    ``path``, with the global step (default: the executor's) and the learning-rate scheduler's state,
+    replacing a checkpoint already there. An existing ``path`` that is a file, a symbolic link, or a
+    non-empty directory without ``meta.json`` is refused before anything moves.
 
     In a job of several processes every process calls it: the ranks of the first replica send their
     stages' state to rank 0, which alone writes (``path`` must be where every rank can read it back).
     Returns whether this process wrote."""
-    step = exe.global_step if step is None else step
+    step = exe.global_step if step is None else int(step)
     state = exe.gathered_state_dict(program)
     if state is None:
         return False  # rank 0 writes
-    params, others = _state_names(program)
-    with atomic_directory(path) as tmp:
-        for name, names in ((PARAMS, params), (OPT, others)):
-            with open(os.path.join(tmp, name), "wb") as f:
-                pickle.dump({n: state[n] for n in names if n in state}, f, protocol=4)
-        scheduler = getattr(program, "lr_scheduler", None)
-        meta = {"step": step, "lr_scheduler": scheduler.state_dict() if scheduler is not None else None}
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(meta, f, default=_jsonable)
+    params, others = _state_vars(program)
+    scheduler = getattr(program, "lr_scheduler", None)
+    with atomic_directory(path, META, WHAT) as tmp:
+        files = {name: pickled_arrays.write(os.path.join(tmp, name), {n: state[n] for n in names if n in state})
+                 for name, names in ((PARAMS, params), (OPT, others))}
+        meta = {"format": FORMAT, "step": step,
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None, "files": files}
+        with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
+            json.dump(meta, f, default=_jsonable, indent=1)
     return True
 
 
 def load(program: framework.Program, path: str, exe: "Executor") -> dict[str, Any]:
     """Load a checkpoint written by ``save`` (or by ``paddle.static.save`` into a directory layout) into
-    every stage of ``program``; returns its meta data (``step``). A checkpoint of another program is
-    refused with the list of missing, unexpected and mis-shaped variables."""
+    every stage of ``program``; returns its meta data (``step``, ``lr_scheduler``, ``files``).
+
+    Nothing changes unless everything fits: a missing, truncated or altered file, a corrupt ``meta.json``,
+    a pickle naming anything but numpy's arrays, or a checkpoint of another program (the lists of missing,
+    unexpected, mis-shaped and mis-typed variables) raises first. A ``meta.json`` that lists no
+    ``model.pdopt`` means a checkpoint without optimizer state: the parameters load, the optimizer keeps
+    its own."""
     recover_directory(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}")
+        raise FileNotFoundError(f"no checkpoint at {path!r}" + (": it is a file, a checkpoint is a directory"
+                                                                 if os.path.exists(path) else ""))
+    meta = _read_meta(os.path.join(path, META))
+    files = list(meta["files"]) if "files" in meta else [PARAMS, OPT]
     state: dict[str, np.ndarray] = {}
-    for name in (PARAMS, OPT):
-        file = os.path.join(path, name)
-        if os.path.exists(file):
-            with open(file, "rb") as f:
-                state.update(pickle.load(f))
-    params, others = _state_names(program)
-    expected = {**params, **others}
-    missing = sorted(n for n in params if n not in state)
-    unexpected = sorted(n for n in state if n not in expected)
-    shapes = sorted(f"{n}: checkpoint {list(state[n].shape)}, program {list(expected[n])}"
-                    for n in state if n in expected and not _fits(state[n].shape, expected[n]))
-    if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint {path!r} does not match the program: missing {missing or 'none'}; "
-                         f"unexpected {unexpected or 'none'}; wrong shapes {shapes or 'none'}")
-    exe.set_state_dict(program, state, strict=False)
-    meta = {"step": 0, "lr_scheduler": None}
-    if os.path.exists(os.path.join(path, META)):
-        with open(os.path.join(path, META)) as f:
-            meta.update(json.load(f))
+    for name in files:
+        state.update(_read_verified(path, name, meta.get("files", {}).get(name)))
+    params, others = _state_vars(program)
+    known = {**params, **others}
+    _check_fits(path, state, known, known if OPT in files else params)
     scheduler = getattr(program, "lr_scheduler", None)
-    if scheduler is not None and meta["lr_scheduler"] is not None:
-        with warnings.catch_warnings():  # nested schedulers (LinearWarmup) warn about their own keys
-            warnings.simplefilter("ignore")
-            scheduler.set_state_dict(meta["lr_scheduler"])
+    restore = scheduler is not None and meta["lr_scheduler"] is not None
+    if restore:
+        _set_scheduler(copy.deepcopy(scheduler), meta["lr_scheduler"], os.path.join(path, META))  # a trial
+    exe.set_state_dict(program, state, strict=False)
+    if restore:
+        _set_scheduler(scheduler, meta["lr_scheduler"], os.path.join(path, META))
     exe.global_step = meta["step"]
     return meta
 
 
-@contextlib.contextmanager
-def atomic_directory(path: str) -> Iterator[str]:
-    """Yield an empty ``<path>.tmp`` to write into; when the block ends, sync its files to disk and put
-    it in the place of ``path``: the previous directory is moved aside first and deleted last, so a
-    crash at any point leaves one of them whole (``recover_directory`` puts a moved-aside one back).
-    If the block raises, ``path`` is left untouched."""
-    tmp, old = path + ".tmp", path + ".old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    yield tmp
-    for folder, _, files in os.walk(tmp):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+def _read_meta(file: str) -> dict[str, Any]:
+    """``meta.json`` checked field by field; ``{"step": 0, "lr_scheduler": None}`` where there is none."""
+    if not os.path.exists(file):
+        return {"step": 0, "lr_scheduler": None}
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file!r} is corrupt: {type(exc).__name__}: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file!r} is corrupt: it holds a JSON {type(meta).__name__}, not an object")
+    problem = _meta_problem(meta)
+    if problem:
+        raise ValueError(f"{file!r} is not the meta data of a staticpipe checkpoint of format {FORMAT}: {problem}")
+    return meta
 
 
-def recover_directory(path: str) -> None:
-    """Put back the previous directory if a save died after moving it aside (see ``atomic_directory``)."""
-    if not os.path.exists(path) and os.path.exists(path + ".old"):
-        os.rename(path + ".old", path)
+def _meta_problem(meta: dict[str, Any]) -> str | None:
+    step, files = meta.get("step"), meta.get("files")
+    if meta.get("format") != FORMAT:
+        return f"its format is {meta.get('format')!r}"
+    if type(step) is not int or step < 0:
+        return f"its step {step!r} is not a count of steps"
+    if "lr_scheduler" not in meta:
+        return "it has no lr_scheduler"
+    if not isinstance(meta["lr_scheduler"], (dict, type(None))):
+        return f"its lr_scheduler {meta['lr_scheduler']!r} is neither a state dict nor null"
+    if not isinstance(files, dict) or PARAMS not in files or not set(files) <= {PARAMS, OPT} or not all(
+            isinstance(f, dict) and isinstance(f.get("sha256"), str) and type(f.get("bytes")) is int
+            for f in files.values()):
+        return (f"its files {files!r} do not give {PARAMS} (and {OPT}, if the checkpoint has optimizer state) "
+                "with their sha256 and bytes")
+    return None
+
+
+def _read_verified(path: str, name: str, recorded: dict[str, Any] | None) -> dict[str, np.ndarray]:
+    """The arrays of the file ``name``, after checking it against ``meta.json`` (when there is one)."""
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        listed = "meta.json lists it" if recorded is not None else "a checkpoint without meta.json has both files"
+        raise FileNotFoundError(f"checkpoint {path!r} is incomplete: {file!r} is missing ({listed})")
+    if recorded is not None:
+        found = pickled_arrays.digest(file)
+        if found != {"sha256": recorded["sha256"], "bytes": recorded["bytes"]}:
+            raise ValueError(f"{file!r} is corrupt: it has {found['bytes']} bytes with sha256 {found['sha256']}, "
+                             f"but meta.json recorded {recorded['bytes']} bytes with sha256 {recorded['sha256']}")
+    return pickled_arrays.read(file)
+
+
+def _check_fits(path: str, state: dict[str, np.ndarray], known: dict[str, tuple], required: dict[str, tuple]
+               ) -> None:
+    """Every ``required`` variable present, none that is not ``known``, each of its (shape, dtype)."""
+    missing = sorted(n for n in required if n not in state)
+    unexpected = sorted(n for n in state if n not in known)
+    shapes = sorted(f"{n}: checkpoint {list(state[n].shape)}, program {list(known[n][0])}"
+                    for n in state if n in known and not _fits(state[n].shape, known[n][0]))
+    dtypes = sorted(f"{n}: checkpoint {state[n].dtype}, program {known[n][1]}"
+                    for n in state if n in known and str(state[n].dtype) != known[n][1])
+    if missing or unexpected or shapes or dtypes:
+        raise ValueError(f"checkpoint {path!r} does not match the program: missing {missing or 'none'}; "
+                         f"unexpected {unexpected or 'none'}; wrong shapes {shapes or 'none'}; "
+                         f"wrong dtypes {dtypes or 'none'}")
 
 
 def _fits(got: tuple, want: tuple) -> bool:
     if int(np.prod(got)) == 1 and all(w in (-1, 1) for w in want):
         return True  # a scalar stored as [1] (Paddle sets learning rates that way) fits shape []
     return len(got) == len(want) and all(w in (-1, g) for g, w in zip(got, want))
+
+
+def _set_scheduler(scheduler: Any, state: dict[str, Any], meta_file: str) -> None:
+    try:
+        with warnings.catch_warnings():  # nested schedulers (LinearWarmup) warn about their own keys
+            warnings.simplefilter("ignore")
+            scheduler.set_state_dict(state)
+    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{meta_file!r}: its lr_scheduler state does not fit the program's "
+                         f"{type(scheduler).__name__}: {exc}") from None
 
 
 def _jsonable(value: Any) -> Any:

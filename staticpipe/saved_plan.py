@@ -24,7 +24,7 @@ from dataclasses import fields
 from typing import Any, Callable, Iterable, Mapping
 
 from ._paddle import framework, paddle
-from .checkpoint import atomic_directory, recover_directory
+from .atomic import atomic_directory, recover_directory
 from .placement import launched_world
 from .plan import (OPTIMIZE, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of,
                    require_plan)
@@ -64,7 +64,7 @@ def save_plan(program: framework.Program, directory: str,
         raise ValueError(f"save_plan needs every stage's section programs, but stages {unloaded} were not loaded "
                          "in this process")
     scheduler = _pickled_scheduler(program)
-    with atomic_directory(directory) as tmp:
+    with atomic_directory(directory, PLAN_FILE, "a saved plan") as tmp:
         for stage in plan.stages:
             os.makedirs(os.path.join(tmp, f"stage-{stage.index}"))
             for kind, section in stage.sections.items():
