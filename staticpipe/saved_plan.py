@@ -17,6 +17,7 @@ Why one file per section: a rank reads only its own stages' files, so a machine 
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ._paddle import framework, paddle
 from .atomic import atomic_directory, recover_directory
+from .pickled_arrays import ALLOWED
 from .placement import launched_world
 from .plan import (OPTIMIZE, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of,
                    require_plan)
@@ -49,10 +51,10 @@ def save_plan(program: framework.Program, directory: str,
     atomically (as ``staticpipe.save`` does). ``startup_program``: the one given to ``minimize``
     (default: Paddle's default startup program).
 
-    The scheduler (``program.lr_scheduler``) is pickled: it is an arbitrary Python object whose class,
-    constructor arguments and progress all matter, and Paddle has no serialized form for it (its
-    ``state_dict`` holds the progress only). Loading needs its class importable: Paddle's own schedulers
-    always are. As with checkpoints, load only directories you trust.
+    The scheduler (``program.lr_scheduler``) is pickled: its class, constructor arguments and progress
+    all matter, and Paddle has no serialized form for it (its ``state_dict`` holds the progress only).
+    Loading never runs code: the pickle may name only Paddle's scheduler classes (``paddle.optimizer.lr``)
+    and numpy scalars, which ``save_plan`` checks before it writes anything.
     """
     plan = require_plan(program, "save_plan")
     startup = startup_program or paddle.static.default_startup_program()
@@ -83,10 +85,34 @@ def _pickled_scheduler(program: framework.Program) -> bytes | None:
     if scheduler is None:
         return None
     try:
-        return pickle.dumps(scheduler, protocol=4)
+        data = pickle.dumps(scheduler, protocol=4)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise ValueError(f"save_plan cannot pickle the learning-rate scheduler {type(scheduler).__name__}: "
                          f"{exc}; use a scheduler without lambdas or local functions") from exc
+    _unpickled_scheduler(data, f"the learning-rate scheduler {type(scheduler).__name__}")
+    return data
+
+
+class _SchedulerUnpickler(pickle.Unpickler):
+    """Resolves only Paddle's learning-rate schedulers and numpy scalars: a saved plan runs no code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "paddle.optimizer.lr":
+            found = getattr(paddle.optimizer.lr, name, None)
+            if isinstance(found, type) and issubclass(found, paddle.optimizer.lr.LRScheduler):
+                return found
+        elif (module, name) in ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _unpickled_scheduler(data: bytes, what: str) -> Any:
+    try:
+        return _SchedulerUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{what} refers to the Python global {exc}, which is not one of Paddle's learning-rate "
+                         "schedulers (paddle.optimizer.lr): saved plans hold only those, so that loading one "
+                         "never runs code") from None
 
 
 def _write(directory: str, name: str, data: bytes) -> None:
@@ -143,8 +169,9 @@ def load_plan(directory: str, stages: Iterable[int] | None = None
     main.random_seed = description["random_seeds"]["main"]
     startup.random_seed = description["random_seeds"]["startup"]
     if description["lr_scheduler"]:
-        with open(_existing(directory, SCHEDULER_FILE, "the learning-rate scheduler"), "rb") as f:
-            main.lr_scheduler = pickle.load(f)
+        path = _existing(directory, SCHEDULER_FILE, "the learning-rate scheduler")
+        with open(path, "rb") as f:
+            main.lr_scheduler = _unpickled_scheduler(f.read(), repr(path))
     attach_plan(plan, main, startup)
     return main, startup
 

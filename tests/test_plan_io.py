@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -360,3 +361,38 @@ def test_the_example_saves_then_trains_from_the_directory(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"trained 3 steps from {tmp_path / 'plan'}: loss " in proc.stdout
+
+
+class Evil:
+    def __reduce__(self):
+        return (open, ("/tmp/staticpipe-plan-payload-ran", "w"))
+
+
+def test_loading_a_saved_plan_runs_no_code(tmp_path):
+    net = build(**CASES["mlp-1F1B-lr-scheduler"])
+    directory = saved(net, tmp_path)
+    payload = "/tmp/staticpipe-plan-payload-ran"
+    if os.path.exists(payload):
+        os.remove(payload)
+    with open(os.path.join(directory, "lr_scheduler.pkl"), "wb") as f:
+        pickle.dump(Evil(), f, protocol=4)
+    path = os.path.join(directory, "lr_scheduler.pkl")
+    with pytest.raises(ValueError, match=re.escape(
+            f"{path!r} refers to the Python global io.open, which is not one of Paddle's learning-rate schedulers "
+            "(paddle.optimizer.lr): saved plans hold only those, so that loading one never runs code")):
+        staticpipe.load_plan(directory)
+    assert not os.path.exists(payload)
+
+
+class MyDecay(paddle.optimizer.lr.StepDecay):
+    """A user's own scheduler class: a saved plan could only load it by running its module's code."""
+
+
+def test_save_plan_refuses_a_scheduler_load_plan_would_refuse(tmp_path):
+    net = build_mlp(num_stages=2, hidden=32)
+    minimize(net, paddle.optimizer.SGD(MyDecay(0.1, step_size=1)), dict(num_microbatches=2))
+    with pytest.raises(ValueError, match=re.escape(
+            "the learning-rate scheduler MyDecay refers to the Python global test_plan_io.MyDecay, which is not one "
+            "of Paddle's learning-rate schedulers")):
+        staticpipe.save_plan(net.main, str(tmp_path / "plan"), net.startup)
+    assert not os.path.exists(tmp_path / "plan")
