@@ -57,7 +57,9 @@ def save(program: framework.Program, path: str, exe: "Executor", step: int | Non
     In a job of several processes every process calls it: the ranks of the first replica send their
     stages' state to rank 0, which alone writes (``path`` must be where every rank can read it back).
     Returns whether this process wrote."""
-    step = exe.global_step if step is None else int(step)
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step must be an integer >= 0 (or None: the executor's global step), got {step!r}")
+    step = exe.global_step if step is None else step
     state = exe.gathered_state_dict(program)
     if state is None:
         return False  # rank 0 writes

@@ -288,7 +288,12 @@ def _one_feed(feed: dict | list | tuple | None) -> dict:
             raise ValueError(f"a list feed holds one dict per place; a pipeline takes one global batch, got a list of "
                              f"{len(feed)}: pass one dict (or Executor.step(program, micro-batches))")
         feed = feed[0]
-    return feed or {}
+    if feed is None:
+        return {}
+    if not isinstance(feed, dict):
+        raise ValueError(f"feed must be a dict {{data variable name: array}} (or a list holding one), got "
+                         f"{type(feed).__name__}")
+    return feed
 
 
 __all__ = ["Executor"]

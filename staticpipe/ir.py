@@ -31,9 +31,19 @@ def arg_names(names: Iterable[str]) -> list[str]:
     return [n for n in names if n and n != EMPTY_VAR]
 
 
-def var_names(items: Sequence | None) -> list[str]:
-    """Names of variables given as ``Variable`` objects or as names (a ``fetch_list``)."""
-    return [v if isinstance(v, str) else v.name for v in (items or [])]
+def var_names(items: Sequence | Any | None) -> list[str]:
+    """Names of variables given as ``Variable`` objects or as names (a ``fetch_list``); one variable or
+    name alone counts as a list of it, as in Paddle."""
+    if items is None:
+        return []
+    if isinstance(items, (str, framework.Variable)):
+        items = [items]
+    names = []
+    for k, item in enumerate(items):
+        if not isinstance(item, (str, framework.Variable)):
+            raise ValueError(f"fetch_list[{k}] must be a variable or its name, got {type(item).__name__}: {item!r}")
+        names.append(item if isinstance(item, str) else item.name)
+    return names
 
 
 def tensor_bytes(scope: core._Scope, name: str) -> int:

@@ -2,21 +2,55 @@
 
 Each process runs the same script with the ``paddle.distributed`` environment of its rank (gloo on
 CPU, loopback ports chosen free); ``staticpipe.Executor`` sees it, joins the job and runs only its own
-stages. If a process fails, the others are stopped and the launcher exits with the failed rank's code,
-naming it (a rank stopped by its watchdog because of another one, exit code ``STOPPED_EXIT``, is not
-the one named). ``python -m paddle.distributed.launch`` works as well; this is the thin local variant.
+stages. ``python -m paddle.distributed.launch`` works as well; this is the thin local variant.
+
+How a job ends, each way with one ``staticpipe.launch: ...`` line on stderr naming the cause:
+
+- every rank exits 0: exit code 0, nothing printed.
+- a rank exits non-zero: the others are stopped (SIGTERM, SIGKILL after ``grace_s``) and the launcher
+  exits with that rank's code (1 for a rank killed by a signal): "rank 1 exited with code 7; stopping
+  the other ranks". A rank stopped by its watchdog because of another (code ``STOPPED_EXIT``) is not
+  the one named: it reports the culprit in a file (``runtime/watchdog.py``) and the launcher names
+  that rank, exit code 1: at once when it went silent yet still runs ("rank 1 stopped sending
+  heartbeats for 3.1 s (frozen or hung)"; it gets SIGKILL, as it may never act on SIGTERM); else once
+  every rank has ended, or ``wait_origin_s`` after the first one did while the culprit has not exited
+  by itself with its own code ("rank 1 exited in the middle of a step (...)" for a rank whose
+  ``sys.exit(0)`` left a peer waiting for it).
+- SIGINT, SIGTERM or SIGHUP to the launcher: forwarded to every running rank, which gets ``grace_s``
+  to exit before SIGKILL (at once on a second signal); exit code 128 + the signal's number (130, 143,
+  129): "SIGTERM received; stopped ranks 0, 1". A signal the launcher was started ignoring (SIGINT
+  under ``cmd &`` in a script) stays ignored, by its ranks too. Python runs signal handlers in the
+  main thread only: ``launch`` called from another thread forwards nothing.
+- Ctrl-Z (SIGTSTP): the launcher stops the ranks with SIGSTOP, then itself, and resumes them when it
+  is resumed (``fg``, ``bg``).
+- the launcher dies, even by SIGKILL: the kernel SIGKILLs every rank (``PR_SET_PDEATHSIG``; Linux only,
+  elsewhere the ranks run on).
+- ``--nprocs`` below 1 or a script that does not exist: refused (exit code 2) before any rank starts.
+
+Each rank runs in a session of its own: a terminal's Ctrl-C reaches the launcher alone, which forwards it
+once, and a signal to the rank's process group reaches the processes the rank started (loader workers).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 from .placement import cuda_device_count
-from .runtime.watchdog import STOPPED_EXIT
+from .runtime.watchdog import ENV_REPORT, STOPPED_EXIT
+
+GRACE_S = 10.0  # how long a stopped rank may take to exit before SIGKILL
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def free_ports(count: int) -> list[int]:
@@ -40,34 +74,160 @@ def rank_environments(nprocs: int) -> list[dict[str, str]]:
                  **({"FLAGS_selected_gpus": str(rank)} if gpus else {})) for rank in range(nprocs)]
 
 
-def launch(nprocs: int, argv: list[str], poll_s: float = 0.2, wait_origin_s: float = 5.0) -> int:
-    procs = [subprocess.Popen([sys.executable] + argv, env=dict(os.environ, **env))
-             for env in rank_environments(nprocs)]
-    first_failure = None
-    while True:
-        codes = [p.poll() for p in procs]
+def launch(nprocs: int, argv: list[str], poll_s: float = 0.2, wait_origin_s: float = 5.0,
+           grace_s: float = GRACE_S) -> int:
+    """Run ``python argv...`` as ranks 0 .. nprocs - 1 until they end; the launcher's exit code."""
+    with tempfile.TemporaryDirectory(prefix="staticpipe-launch-") as reports:
+        job = Job(reports)
+        with job.signals_handled():
+            job.start(nprocs, argv)
+            return job.watch(poll_s, wait_origin_s, grace_s)
+
+
+class Job:
+    """The ranks of one launch, the signals the launcher received, and the ranks' reports."""
+
+    def __init__(self, reports: str):
+        self.reports = reports
+        self.procs: list[subprocess.Popen] = []
+        self.received: list[int] = []
+
+    def start(self, nprocs: int, argv: list[str]) -> None:
+        try:
+            for rank, env in enumerate(rank_environments(nprocs)):
+                env[ENV_REPORT] = os.path.join(self.reports, f"rank{rank}.json")
+                self.procs.append(subprocess.Popen([sys.executable] + argv, env=dict(os.environ, **env),
+                                                   start_new_session=True, preexec_fn=_dies_with(os.getpid())))
+        except BaseException:  # the ranks started so far must not run on alone
+            self.signal_all(signal.SIGKILL)
+            for p in self.procs:
+                p.wait()
+            raise
+
+    def watch(self, poll_s: float, wait_origin_s: float, grace_s: float) -> int:
+        failed_at = None
+        while True:
+            if self.received:
+                signum = self.received[0]
+                running, killed = self.stop(signum, grace_s)
+                stopped = f"stopped ranks {', '.join(map(str, running))}" if running else "no rank was running"
+                late = f" (killed with SIGKILL: {', '.join(map(str, killed))})" if killed else ""
+                print(f"staticpipe.launch: {signal.Signals(signum).name} received; {stopped}{late}",
+                      file=sys.stderr, flush=True)
+                return 128 + signum
+            codes = [p.poll() for p in self.procs]
+            if failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = time.monotonic()
+            verdict = self.verdict(codes, failed_at is not None and time.monotonic() - failed_at > wait_origin_s)
+            if verdict is not None:
+                why, code, frozen = verdict
+                print(f"staticpipe.launch: {why}; stopping the other ranks", file=sys.stderr, flush=True)
+                if frozen is not None:  # it would act on SIGTERM late or never
+                    self.signal_rank(frozen, signal.SIGKILL)
+                self.stop(signal.SIGTERM, grace_s)
+                return code
+            if all(code == 0 for code in codes):
+                return 0
+            time.sleep(poll_s)
+
+    def verdict(self, codes: list[int | None], waited: bool) -> tuple[str, int, int | None] | None:
+        """(what ended the job, the launcher's exit code, the frozen rank if it is that) once a rank
+        failed, else None. A rank that exits
+        non-zero by itself is named. One stopped by its watchdog (``STOPPED_EXIT``) was stopped because
+        of another rank, which its report names: the silent one still running, at once; else the one
+        that failed, when it has not exited by itself (``waited``) or every rank has."""
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-        # a rank that exits with STOPPED_EXIT was stopped by its watchdog because another one failed:
-        # name the one that failed, when it exits within wait_origin_s
-        origins = [(rank, code) for rank, code in failed if code != STOPPED_EXIT]
-        if failed and first_failure is None:
-            first_failure = time.monotonic()
-        if origins or (failed and (None not in codes or time.monotonic() - first_failure > wait_origin_s)):
-            rank, code = (origins or failed)[0]
-            print(f"staticpipe.launch: rank {rank} exited with code {code}; stopping the other ranks",
-                  file=sys.stderr, flush=True)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-            return code if code > 0 else 1
-        if all(code == 0 for code in codes):
-            return 0
-        time.sleep(poll_s)
+        for rank, code in failed:
+            if code != STOPPED_EXIT:
+                return f"rank {rank} exited with code {code}", code if code > 0 else 1, None
+        reports = [r for r in (self.report(rank) for rank, _ in failed) if r is not None]
+        for r in reports:
+            if r["silent_s"] is not None and codes[r["rank"]] is None:
+                return (f"rank {r['rank']} stopped sending heartbeats for {r['silent_s']:.1f} s (frozen or hung)", 1,
+                        r["rank"])
+        if not failed or not (waited or None not in codes):
+            return None
+        if reports:
+            return reports[0]["why"], 1, None
+        rank, code = failed[0]
+        return f"rank {rank} exited with code {code}", code, None
+
+    def report(self, rank: int) -> dict | None:
+        """What rank ``rank``'s watchdog wrote before stopping it: the culprit's rank and why; or None."""
+        try:
+            with open(os.path.join(self.reports, f"rank{rank}.json"), encoding="utf-8") as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return report if report.get("rank") in range(len(self.procs)) else None
+
+    def stop(self, signum: int, grace_s: float) -> tuple[list[int], list[int]]:
+        """Send ``signum`` to every running rank (with SIGCONT: a stopped rank acts on it only when it runs);
+        SIGKILL those still running after ``grace_s``, or at once when another signal comes.
+        (the ranks that were running, those that had to be killed)."""
+        running = [rank for rank, p in enumerate(self.procs) if p.poll() is None]
+        signals_seen = len(self.received)
+        self.signal_all(signum)
+        self.signal_all(signal.SIGCONT)
+        deadline = time.monotonic() + grace_s
+        while (any(self.procs[r].poll() is None for r in running) and time.monotonic() < deadline
+               and len(self.received) == signals_seen):
+            time.sleep(0.05)
+        killed = [r for r in running if self.procs[r].poll() is None]
+        self.signal_all(signal.SIGKILL)
+        for r in running:
+            self.procs[r].wait()
+        return running, killed
+
+    def signal_all(self, signum: int) -> None:
+        for rank in range(len(self.procs)):
+            self.signal_rank(rank, signum)
+
+    def signal_rank(self, rank: int, signum: int) -> None:
+        """``signum`` to the process group of ``rank`` (the rank and its children) unless it was reaped."""
+        if self.procs[rank].returncode is None:
+            try:
+                os.killpg(self.procs[rank].pid, signum)
+            except ProcessLookupError:  # exited since
+                pass
+
+    def suspend(self, signum, frame) -> None:
+        """Ctrl-Z: the ranks have sessions of their own, so stop them here, then the launcher; resume them
+        when it resumes (SIGSTOP, not the SIGTSTP the terminal sent: it always stops)."""
+        self.signal_all(signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        self.signal_all(signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def signals_handled(self):
+        """While the job runs: FORWARDED signals are recorded (``watch`` forwards them), SIGTSTP suspends.
+        Python runs handlers in the main thread only: called from another, ``launch`` handles none."""
+        handlers = {s: self.record for s in FORWARDED} | {signal.SIGTSTP: self.suspend}
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, h) for s, h in handlers.items()
+                    if main and signal.getsignal(s) is not signal.SIG_IGN}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: set outside Python
+
+    def record(self, signum, frame) -> None:
+        self.received.append(signum)
+
+
+def _dies_with(parent: int):
+    """A rank's ``preexec_fn`` (run in the child before exec): the kernel SIGKILLs the rank when the
+    launcher dies, however it dies (Linux's PR_SET_PDEATHSIG); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up in the launcher: the child only calls it
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the launcher died before prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGKILL)
+    return arm
 
 
 def main() -> None:
@@ -78,6 +238,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.nprocs < 1:
         ap.error(f"--nprocs must be >= 1, got {args.nprocs}")
+    if not os.path.exists(args.script):
+        ap.error(f"script {args.script!r} does not exist (from {os.getcwd()})")
     sys.exit(launch(args.nprocs, [args.script] + args.args))
 
 

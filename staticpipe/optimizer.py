@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ._paddle import OP_ROLE, ROLE_OPTIMIZE, framework, paddle
+from ._paddle import OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, framework, paddle
 from .plan import Plan, attach_plan, plan_of
-from .rewrite import PlanOptions, plan_with
+from .rewrite import PlanOptions, check_layout, plan_with
 from .schedule.simulate import StageCosts
 
 
@@ -64,6 +64,11 @@ class PipelineOptimizer:
             raise ValueError("minimize was already called on this program: it holds a pipeline plan (and the "
                              "backward and optimizer ops of the first call); build the program again to minimize "
                              "it anew")
+        if _has_role(program, ROLE_BACKWARD):
+            raise ValueError("this program already holds backward ops: minimize (or append_backward) ran on it "
+                             "before, and a pipeline's minimize would add a second backward; build the program "
+                             "again to minimize it anew")
+        check_layout(program, self.options)  # what can fail on the forward program fails before it changes
         startup = startup_program or paddle.static.default_startup_program()
         updates = _update_ops(program)
         result = self.inner.minimize(loss, startup_program=startup, parameters=parameters,
@@ -80,3 +85,7 @@ def _update_ops(program: framework.Program) -> int:
     """How many optimizer-role ops ``program`` holds (Paddle tags every parameter update with it)."""
     return sum(1 for op in program.global_block().ops
                if op.has_attr(OP_ROLE) and int(op.attr(OP_ROLE)) & ROLE_OPTIMIZE)
+
+
+def _has_role(program: framework.Program, role: int) -> bool:
+    return any(op.has_attr(OP_ROLE) and int(op.attr(OP_ROLE)) & role for op in program.global_block().ops)

@@ -76,6 +76,9 @@ def split_point(program: "paddle.static.Program | None" = None) -> None:
     gpu:0), which only a split point can separate. Schedules with one stage per device ignore it.
     """
     program = program if program is not None else paddle.static.default_main_program()
+    if not isinstance(program, framework.Program):
+        raise ValueError(f"split_point(program) takes a paddle.static.Program (or None: the default main "
+                         f"program), got {type(program).__name__}: {program!r}")
     points = getattr(program, SPLIT_POINTS, set())
     points.add(len(program.global_block().ops))
     setattr(program, SPLIT_POINTS, points)

@@ -121,6 +121,9 @@ def verify(program: framework.Program, loader: Any, startup_program: framework.P
     plan = require_plan(program, "verify")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if executor is not None and not isinstance(executor, Executor):
+        raise ValueError(f"executor must be a staticpipe.Executor holding the state to start from (or None: the "
+                         f"startup program's), got {type(executor).__name__}: {executor!r}")
     if hasattr(loader, "epoch"):
         m = plan.num_microbatches
         micro = list(itertools.islice(loader.epoch(), steps * m))

@@ -85,6 +85,22 @@ def test_a_failing_stage_stops_the_others_with_its_error(tmp_path, failing_scrip
     assert abs(end0 - end1) < 10
 
 
+def test_a_rank_that_exits_mid_job_stops_the_others_at_once(tmp_path, monkeypatch):
+    """``sys.exit(4)`` on rank 1 between steps: to its atexit that is a normal end, but rank 0 still
+    waits for its messages. The gloo connection breaks, and rank 0 names rank 1 at once (it used to wait
+    out the heartbeat timeout, then blame itself)."""
+    kill = 'if rank == os.environ.get("KILL_RANK") and step == 1:'
+    assert kill in SCRIPT
+    exit_ = 'if rank == os.environ.get("EXIT_RANK") and step == 1:\n        sys.exit(4)\n    '
+    monkeypatch.setattr(test_distributed, "SCRIPT", SCRIPT.replace(kill, exit_ + kill))
+    (rank0, end0), (rank1, end1) = run_ranks(tmp_path, EXIT_RANK="1", **JOB)
+    assert rank1.returncode == 4
+    assert rank0.returncode == STOPPED_EXIT, rank0.stderr[-2000:]
+    assert watchdog_lines(rank0.stderr) == [
+        "staticpipe: rank 1 exited in the middle of a step (rank 0's exchange with it broke); stopping rank 0"]
+    assert end0 - end1 < 5
+
+
 def test_the_launcher_names_the_failing_rank(tmp_path, failing_script):
     result = run(tmp_path, 2, FAIL_RANK="1", **JOB)
     assert result.returncode == 1

@@ -17,7 +17,7 @@ from ..schedule.simulate import StageCosts
 from .options import PlanOptions
 from .programs import MERGED_SUFFIX, section_runs
 from .sections import build_sections
-from .stages import assign_stages
+from .stages import StageAssignment, assign_stages
 
 
 def build_plan(program: framework.Program, loss_name: str, num_microbatches: int = 1,
@@ -40,8 +40,33 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
     """``build_plan`` with options already checked (``PipelineOptimizer`` checks them when constructed)."""
     custom = options.custom
     kind = None if custom is not None else get_kind(options.schedule)
-    chunked, split = options.layout_needs()
-    assignment = assign_stages(program, chunked=chunked)
+    split = options.layout_needs()[1]
+    assignment, ranks, stage_ranks = check_layout(program, options)
+    num_stages = len(assignment.devices)
+    costs = options.costs(num_stages)
+    m, mbs = options.num_microbatches, options.micro_batch_size
+    stages, routes, exchanges, data_vars, producers, replicated = build_sections(
+        program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split)
+    compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
+                                                              costs)
+    actions = lower(compute, routes)
+    if custom is not None:  # first as written, so that an error counts the steps the user wrote
+        validate(custom, num_stages, m, stage_ranks, split_backward=split, collectives=True)
+    # collectives: the OPT actions are a barrier (runtime/optimize_phase.py: a step is all or nothing)
+    validate(actions, num_stages, m, stage_ranks, split_backward=split, collectives=True)
+    return Plan(stages=tuple(stages), routes=tuple(routes), num_microbatches=m,
+                schedule=kind.name if kind is not None else "custom", actions=actions, ranks=tuple(ranks),
+                data_vars=data_vars, data_specs=_data_specs(program, data_vars, m), loss=loss_name,
+                producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
+                replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree)
+
+
+def check_layout(program: framework.Program, options: PlanOptions) -> tuple[StageAssignment, list[str], list[int]]:
+    """(stage assignment, the distinct devices as ranks, each stage's rank) of ``program`` under ``options``;
+    ``ValueError`` if the schedule cannot run its stages, or options name stages it lacks. It needs the
+    forward ops only, so ``PipelineOptimizer.minimize`` calls it before anything is added to the program."""
+    kind = None if options.custom is not None else get_kind(options.schedule)
+    assignment = assign_stages(program, chunked=options.layout_needs()[0])
     num_stages = len(assignment.devices)
     ranks = list(dict.fromkeys(assignment.devices))  # one worker per distinct device
     stage_ranks = [ranks.index(d) for d in assignment.devices]
@@ -55,20 +80,9 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 f"guards give {num_stages} stages on {assignment.devices}"
                 + ("; separate consecutive stages on one device with staticpipe.split_point()"
                    if len(layout) > num_stages else ""))
-    costs = options.costs(num_stages)
-    m, mbs = options.num_microbatches, options.micro_batch_size
-    stages, routes, exchanges, data_vars, producers, replicated = build_sections(
-        program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split)
-    compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
-                                                              costs)
-    actions = lower(compute, routes)
-    validate(actions, num_stages, m, stage_ranks, split_backward=split,
-             collectives=bool(assignment.shared) or any("all-reduce" in why for why in replicated.values()))
-    return Plan(stages=tuple(stages), routes=tuple(routes), num_microbatches=m,
-                schedule=kind.name if kind is not None else "custom", actions=actions, ranks=tuple(ranks),
-                data_vars=data_vars, data_specs=_data_specs(program, data_vars, m), loss=loss_name,
-                producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
-                replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree)
+    options.costs(num_stages)
+    options.recompute_stages(num_stages)
+    return assignment, ranks, stage_ranks
 
 
 def build_forward_plan(program: framework.Program, num_microbatches: int = 1, chunked: bool = False,
@@ -106,5 +120,5 @@ def _data_specs(program: framework.Program, data_vars: dict, num_microbatches: i
     return specs
 
 
-__all__ = ["PlanOptions", "build_plan", "plan_with", "build_forward_plan", "assign_stages", "build_sections",
+__all__ = ["PlanOptions", "build_plan", "plan_with", "check_layout", "build_forward_plan", "assign_stages", "build_sections",
            "section_runs", "MERGED_SUFFIX"]

@@ -7,10 +7,10 @@ import re
 class StageError(RuntimeError):
     """A stage failed; names the stage, its device and the action. ``__cause__`` is the original error."""
 
-    def __init__(self, stage: int, device: str, action: object, error: BaseException):
+    def __init__(self, stage: int, device: str, action: object, error: BaseException, note: str = ""):
         self.stage, self.device, self.action = stage, device, action
         super().__init__(f"stage {stage} ({device}) failed in action {action}: "
-                         f"{type(error).__name__}: {error}")
+                         f"{type(error).__name__}: {error}{f' ({note})' if note else ''}")
 
 
 class PipelineAborted(RuntimeError):

@@ -4,6 +4,12 @@ Each optimize section is a sequence of compute runs with the plan's exchanges be
 ``rewrite/optimize_section.py``); a stage's walk through it is a coroutine that pauses wherever it must
 wait: at a receive, or at a cross-stage sum that needs every stage's part.
 
+Why every rank first waits for all the others (one all-reduce of a single number, before any update):
+a step is all or nothing. If any stage's forward, backward or message failed, no stage may have applied
+its update, or the next step would start from a half-updated model; the failed rank aborts the channel
+and the others leave this barrier with ``PipelineAborted``. A failure inside the updates themselves comes
+after the barrier: its ``StageError`` says that other stages may have applied theirs.
+
 Why together: one rank may hold several stages (interleaved, ZB-V), run by this one thread. A
 global-norm sum needs every stage's part, and a shared parameter's owner waits for the partial gradient
 of a stage that may sit on the same rank: run one after the other, the first would wait forever for the
@@ -25,6 +31,8 @@ from .errors import PipelineAborted, StageError
 if TYPE_CHECKING:
     from .worker import DeviceWorker, StepJob
 
+UPDATE_FAILED = ("the step's forwards and backwards all succeeded, then this update failed: other stages may "
+                 "have applied theirs, so the stages may now disagree; reload a checkpoint to go on")
 Waiting = tuple[Exchange, "np.ndarray | None"]  # what a paused stage waits for, and its part of a sum
 
 
@@ -32,6 +40,8 @@ def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ..
     """Run the optimize sections of this rank's ``stages`` together (module docstring)."""
     plan = job.plan
     rank = plan.stages[stages[0]].rank
+    if stages[0] == job.program.first_optimizer:  # every rank's forwards and backwards are done
+        job.channel.allreduce(("opt", "ready"), rank, np.zeros(1, np.float32), len(plan.ranks))
     sent: set[int] = set()  # exchanges this rank's stages have sent this step
     walks = {s: _walk(worker, job, s, sent) for s in stages}
     waits: dict[int, Waiting] = {}
@@ -44,7 +54,7 @@ def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ..
         except (PipelineAborted, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:
-            raise StageError(stage, worker.device, OPT(stage), exc) from exc
+            raise StageError(stage, worker.device, OPT(stage), exc, UPDATE_FAILED) from exc
 
     for stage in stages:
         resume(stage)

@@ -106,6 +106,10 @@ def _as_stored(devices: Devices, plan: Plan, name: str, value: Any) -> np.ndarra
         if var is None or not var.get_tensor()._is_initialized():
             continue
         have = np.dtype(np_dtype(var.get_tensor()._dtype()))
+        shape = tuple(var.get_tensor().shape())
+        if value.shape != shape and not (value.size == 1 and int(np.prod(shape)) == 1):
+            raise ValueError(f"set_state_dict: '{name}' has shape {list(shape)} in the program, but the value "
+                             f"given has shape {list(value.shape)}")
         if value.dtype != have:
             cast = value.astype(have)
             if value.dtype.kind != have.kind or not np.array_equal(cast, value):

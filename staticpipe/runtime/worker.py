@@ -28,13 +28,14 @@ SECTION_OF = {Kind.F: FORWARD, Kind.B: BACKWARD, Kind.W: WEIGHT}
 @dataclass(frozen=True, eq=False)
 class RankProgram:
     """What a rank's action list needs besides the actions, worked out once per plan: after which action
-    each micro-batch's scope can go, which OPT actions run together, and what a micro-batch leaves in a
-    stage's scope."""
+    each micro-batch's scope can go, which OPT actions run together (the first of them waits for every
+    rank: ``optimize_phase``), and what a micro-batch leaves in a stage's scope."""
 
     actions: tuple[Action, ...]
     last_use: dict[int, bool]  # action position -> the (stage, micro-batch) scope is released after it
     optimizer_groups: dict[int, tuple[int, ...]]  # first stage of a run of OPT actions -> its stages
     leftovers: dict[int, tuple[str, ...]]  # stage -> names a micro-batch leaves in its scope
+    first_optimizer: int | None = None  # the first stage of the rank's first run of OPT actions
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "RankProgram":
@@ -56,7 +57,8 @@ class RankProgram:
                 names.update(sections[kind].keep if kind in sections else ())
             names.update(v.name for r in plan.routes if r.dst.stage == stage for v in r.vars)
             leftovers[stage] = tuple(sorted(names))
-        return cls(actions, {i: True for i in last.values()}, groups, leftovers)
+        first = next((a.stage for a in actions if a.kind is Kind.OPT), None)
+        return cls(actions, {i: True for i in last.values()}, groups, leftovers, first)
 
 
 @dataclass

@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--png", help="draw the simulated Gantt chart here")
     parser.add_argument("--json", action="store_true", help="print the action lists as JSON")
     args = parser.parse_args(argv)
+    for flag in ("stages", "microbatches", "chunks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be >= 1, got {value}")
     try:
         kind = get_kind(args.schedule)
         chunks = args.chunks if args.chunks is not None else (kind.chunks or 1)
