@@ -1,14 +1,16 @@
 """The one place that imports Paddle and fixes what staticpipe needs from it.
 
-Why a module of its own: Paddle 3.x builds PIR programs unless ``FLAGS_enable_pir_api`` is off before
-static mode is first used, and paddle 2.6.2 crashes on numpy 2 arrays. Both must be settled before any
-program is built, so every staticpipe module imports Paddle through here.
+Why a module of its own: Paddle 3.x builds PIR programs by default, which staticpipe's rewrite does not
+read (``legacy_ir.py`` settles that, whatever was imported first), and paddle 2.6.2 crashes on numpy 2
+arrays. Both must be settled before any program is built, so every staticpipe module imports Paddle
+through here.
 """
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("FLAGS_enable_pir_api", "0")
+if os.environ.get("STATICPIPE_LEGACY_IR", "1").strip().lower() not in ("0", "false", "no", "off"):
+    os.environ.setdefault("FLAGS_enable_pir_api", "0")  # read by a paddle imported from here on
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
@@ -16,7 +18,9 @@ from paddle.base import core, framework  # noqa: E402
 
 PADDLE_MAJOR = int(paddle.__version__.split(".")[0])
 if PADDLE_MAJOR >= 3:  # the legacy static IR is what staticpipe rewrites
-    paddle.set_flags({"FLAGS_enable_pir_api": False})
+    from . import legacy_ir
+
+    legacy_ir.install()
 elif PADDLE_MAJOR == 2 and int(np.__version__.split(".")[0]) >= 2:
     raise ImportError(
         f"paddlepaddle {paddle.__version__} aborts on numpy {np.__version__} arrays; "

@@ -10,9 +10,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, Sequence
 
-from ._paddle import OP_DEVICE, core, framework, paddle
+from ._paddle import OP_DEVICE, PADDLE_MAJOR, core, framework, paddle
 
 EMPTY_VAR = core.kEmptyVarName() if hasattr(core, "kEmptyVarName") else "@EMPTY@"
+# the legacy all-reduce-sum op: Paddle 3.x removed c_allreduce_sum for all_reduce (reduce_type 0: sum)
+ALLREDUCE_SUM = ("c_allreduce_sum", {"ring_id": 0, "use_calc_stream": True}, "X", "Out") if PADDLE_MAJOR < 3 else (
+    "all_reduce", {"ring_id": 0, "reduce_type": 0}, "x", "out")
 
 
 def np_dtype(dtype: Any) -> str:

@@ -25,7 +25,8 @@ FORWARD, BACKWARD, WEIGHT, OPTIMIZE, INIT = "forward", "backward", "weight", "op
 PER_MICROBATCH = (FORWARD, BACKWARD, WEIGHT)
 FORWARD_ONLY = "forward-only"  # the schedule name of evaluation plans
 COMM_OP_TYPES = ("send_v2", "recv_v2")  # point-to-point ops at the ends of per-micro-batch sections
-COLLECTIVE_OP_TYPES = COMM_OP_TYPES + ("c_allreduce_sum",)  # comm ops the optimize section may hold
+# comm ops the optimize section may hold: Paddle 2.x's all-reduce, and Paddle 3.x's (which has no other)
+COLLECTIVE_OP_TYPES = COMM_OP_TYPES + ("c_allreduce_sum", "all_reduce")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ class DataLoader:
         collate_fn: Callable[[list], Any] | None = None,
         num_workers: int = 0,
         use_buffer_reader: bool = True,
+        reader_buffer_size: int = 2,
         prefetch_factor: int = 2,
         use_shared_memory: bool = True,
         timeout: float = 0,
@@ -76,7 +77,8 @@ class DataLoader:
         """``paddle.io.DataLoader``'s signature and meaning, with these differences: ``feed_list`` is required
         (batches are fed by variable name); ``places`` is ignored (the pipeline places each variable on its
         stage); batches always travel through a queue of ``prefetch_factor`` batches per worker (or per
-        loader, ``num_workers=0``), so ``use_buffer_reader`` changes nothing; worker batches travel through
+        loader, ``num_workers=0``), so ``use_buffer_reader`` and ``reader_buffer_size`` (Paddle 3's) change
+        nothing; worker batches travel through
         pipes, so ``use_shared_memory`` changes nothing; workers are forked for each epoch, so
         ``persistent_workers`` changes nothing but worker state (it is not kept between epochs);
         ``paddle.io.get_worker_info()`` is ``None`` in the workers, and an IterableDataset takes no workers.

@@ -5,7 +5,8 @@ parameter's partial gradients go to its owner and its new value comes back, and 
 every stage's part. The plan states each such message as an ``Exchange`` record (as a ``Route`` states a
 micro-batch's cut variables), so the runtime executes compute-only runs and performs the exchanges
 between them without reading a single op. The section program still shows each exchange as the op
-Paddle's own pipeline would hold there (``send_v2``, ``recv_v2``, ``c_allreduce_sum``).
+Paddle's own pipeline would hold there (``send_v2``, ``recv_v2``, ``c_allreduce_sum``; on Paddle 3,
+``all_reduce``).
 
 Order inside an optimize section: partial gradients of shared parameters (received and added on the
 owner, sent by the others), the learning-rate, clipping and update ops (a cross-stage sum where the
@@ -16,7 +17,7 @@ from __future__ import annotations
 from .._paddle import ROLE_OPTIMIZE, core, framework, paddle
 from ..plan import INIT, OPTIMIZE, SEND, SUM, CutVar, Exchange, Section
 from .optimize import Reduction, SharedPartial
-from ..ir import np_dtype
+from ..ir import ALLREDUCE_SUM, np_dtype
 from .programs import (MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var,
                        declare_merged, declare_var, section_runs, zero_fill)
 from .stages import StageAssignment
@@ -131,8 +132,9 @@ def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction
         append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [partial]})
     else:
         zero_fill(dst, partial, device, ROLE_OPTIMIZE)
-    return append_tagged_op(dst, "c_allreduce_sum", device, ROLE_OPTIMIZE, inputs={"X": [partial]},
-                            outputs={"Out": [red.output]}, attrs={"ring_id": 0, "use_calc_stream": True})
+    op_type, attrs, x, out = ALLREDUCE_SUM
+    return append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [partial]}, outputs={out: [red.output]},
+                            attrs=attrs)
 
 
 def init_section(block: framework.Block, stage: int, device: str, merge: dict[str, str]) -> Section:
