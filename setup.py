@@ -11,7 +11,8 @@ setup(
     # Paddle itself is an extra: a machine with paddlepaddle-gpu must not be pushed onto the CPU wheel.
     install_requires=["numpy", "tqdm", "matplotlib"],
     extras_require={
-        "cpu": ["paddlepaddle==2.6.2", "numpy<2"],
+        "cpu": ["paddlepaddle==2.6.2", "numpy<2"],  # the default the README installs
+        "cpu3": ["paddlepaddle==3.3.1", "numpy>=2"],  # Paddle 3.x, in legacy-IR mode (staticpipe/legacy_ir.py)
         "gpu": ["paddlepaddle-gpu==2.6.2", "numpy<2"],
         "test": ["pytest>=7", "pytest-timeout"],
     },

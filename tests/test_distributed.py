@@ -1,10 +1,15 @@
 """One stage per process on paddle.distributed (gloo on CPU), launched by staticpipe.launch.
 
-Each case trains the same script in one process (threads) and as N processes, and compares every
-parameter and optimizer state: the processes must reproduce the threaded run exactly.
+Each case trains the same script in one process (threads) and as N processes, and checks two things:
+- against single-device Paddle training of the unguarded twin (``paddle_reference``: ``guarded=False``,
+  ``paddle.static.Executor`` on the CPU, computed once per case in this process, never by staticpipe):
+  the same initial state bit for bit, and the fetched losses, every parameter and every optimizer state
+  after the last step within ``RTOL`` (a bug shared by the threaded and the launched runs shows here);
+- against the threaded run: every parameter and optimizer state, and the fetched losses, bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import pickle
@@ -12,10 +17,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from models import build_mlp
+from models import build_gpt, build_mlp
 from pipeline_util import minimize
 
 import staticpipe
@@ -23,6 +29,24 @@ from staticpipe._paddle import paddle
 
 pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, BATCH = 3, 8  # SCRIPT's steps and global batch size (asserted below)
+# The optimizer of every case, as SCRIPT's source text: the reference builds it from the same text.
+OPTIMIZER = "paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=paddle.nn.ClipGradByGlobalNorm(clip))"
+# Each model's global-norm clip, chosen so that clipping is active on some steps and not on others
+# (``assert_like_paddle`` checks it on the reference; pre-clip norms MLP 2.47, 2.91, 2.68, GPT 0.864,
+# 0.828, 0.764): an active step shows a wrong norm (a stage's local norm, a replica's own before the
+# mean), an inactive one a wrong gradient scale (a sum over replicas or micro-batches instead of a mean),
+# which clipping on every step would scale away.
+CLIPS = {"mlp": 2.6, "gpt": 0.8}
+# Single-device Paddle sums a batch's gradient in one kernel, a pipeline over 4 micro-batches (and 2
+# replicas): float32 rounding of the same sums, amplified where a gradient coordinate is a small
+# difference of large terms, and by clipping's division by the norm. Measured against the reference
+# after 3 steps (every case here, threaded and launched): losses within 1.1e-7 relative, evaluated loss
+# 5e-8; where |value| > 1e-3 parameters within 7.6e-6 and velocities within 2.2e-5 relative; no
+# coordinate off by more than 6.3e-8 (median |velocity| 3e-3: small coordinates carry this absolute
+# noise, not a relative one). With RTOL = 1e-5 the smallest passing ATOL was 3.6e-8: ATOL = 1e-7
+# leaves 2.8x and is 3e4 times below the median velocity.
+RTOL, ATOL = 1e-5, 1e-7
 
 SCRIPT = textwrap.dedent("""
     import os, sys
@@ -36,12 +60,13 @@ SCRIPT = textwrap.dedent("""
     devices = os.environ["DEVICES"].split(",") if os.environ.get("DEVICES") else None
     net = build_gpt(num_stages=stages) if model == "gpt" else build_mlp(num_stages=stages, stage_devices=devices)
     test = net.main.clone(for_test=True)
-    clip = paddle.nn.ClipGradByGlobalNorm(0.5)
-    minimize(net, paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=clip),
+    clip = {clips!r}[model]
+    minimize(net, {optimizer},
              dict(num_microbatches=4, schedule=os.environ["SCHED"], dp_degree=int(os.environ.get("DP", "1"))))
     exe = staticpipe.Executor()
     exe.run(net.startup)
     rank = os.environ.get("PADDLE_TRAINER_ID", "single")
+    np.savez(os.path.join(os.environ["OUT"], f"init_{{rank}}.npz"), **exe.state_dict(net.main))
     losses = []
     for step in range(3):
         if rank == os.environ.get("KILL_RANK") and step == 1:
@@ -64,7 +89,8 @@ SCRIPT = textwrap.dedent("""
 
 def run(tmp_path, nprocs, **env):
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(repo=REPO, tests=os.path.join(REPO, "tests")))
+    script.write_text(SCRIPT.format(repo=REPO, tests=os.path.join(REPO, "tests"), optimizer=OPTIMIZER,
+                                    clips=CLIPS))
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=REPO, **env)
     cmd = [sys.executable, str(script)] if nprocs == 1 else [
         sys.executable, "-m", "staticpipe.launch", "--nprocs", str(nprocs), str(script)]
@@ -85,20 +111,99 @@ def assert_equal_states(pieces, reference):
         np.testing.assert_array_equal(pieces[name], value, err_msg=name)
 
 
+assert f"for step in range({STEPS}):" in SCRIPT and f"random_batch({BATCH}, seed=step)" in SCRIPT
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Single-device Paddle training of a case's unguarded twin (see ``paddle_reference``)."""
+
+    initial: dict  # every parameter and optimizer state after the startup program
+    final: dict  # the same names after the last step
+    losses: np.ndarray  # each step's loss, fetched before its update
+    clip: float  # the global-norm clip
+    norms: np.ndarray  # each step's global gradient norm before clipping
+    evaluated: float  # the test program's mean loss over EVAL_SAMPLES samples, after the last step
+
+
+EVAL_SAMPLES = 24  # SCRIPT's EVAL: sample_reader(24) in batches of 8
+
+
+@functools.lru_cache(maxsize=None)
+def paddle_reference(model: str, stages: int) -> Reference:
+    """Train ``model``'s ``guarded=False`` twin with plain Paddle: ``paddle.static.Executor(CPUPlace())``
+    in a scope of its own, its own startup program (built from the same initializer seeds as the
+    pipeline's, so the initial states must be equal: checked, bit for bit, by ``assert_like_paddle``),
+    SCRIPT's optimizer and SCRIPT's STEPS global batches, each whole (data-parallel replicas split them).
+    Computed once per case, in the test process: 0.05-0.1 s for the MLP, 0.5 s for the GPT."""
+    paddle.enable_static()
+    net = (build_gpt if model == "gpt" else build_mlp)(num_stages=stages, guarded=False)
+    test = net.main.clone(for_test=True)
+    minimize(net, eval(OPTIMIZER, {"paddle": paddle, "clip": CLIPS[model]}), None)
+    # ClipGradByGlobalNorm computes clip / max(clip, norm): the norm is elementwise_max's Y.
+    [norm] = [op.input("Y")[0] for op in net.main.global_block().ops if op.type == "elementwise_max"]
+    exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    exe.run(net.startup, scope=scope)
+    names = [v.name for v in net.main.list_vars() if v.persistable and v.name not in ("feed", "fetch")]
+
+    def snapshot():
+        return {n: np.array(scope.find_var(n).get_tensor()) for n in names}
+
+    initial, losses, norms = snapshot(), [], []
+    for step in range(STEPS):
+        loss, value = exe.run(net.main, feed=net.random_batch(BATCH, seed=step), fetch_list=[net.loss, norm],
+                              scope=scope)
+        losses.append(float(loss))
+        norms.append(float(np.squeeze(value)))
+    evaluated, = exe.run(test, feed=net.random_batch(EVAL_SAMPLES), fetch_list=[net.loss], scope=scope)
+    return Reference(initial, snapshot(), np.array(losses), CLIPS[model], np.array(norms), float(evaluated))
+
+
+def fetched_losses(*dirs, pattern="loss_[0-9].npy"):
+    """The losses of the ranks (under ``dirs``) that computed them: a rank without the last stage
+    fetches None (saved as NaN)."""
+    found = [np.load(p) for d in dirs for p in sorted(glob.glob(str(d / pattern)))]
+    found = [losses for losses in found if not np.isnan(losses).all()]
+    assert found, f"no rank fetched the loss in {dirs}"
+    return found
+
+
+def assert_like_paddle(initial, final, losses, reference: Reference):
+    """The run started from the reference's initial state (bit for bit), and its losses and final state
+    (every parameter and optimizer state, the same names) equal single-device Paddle training within
+    RTOL, ATOL; in the reference, clipping was active on some steps and not on others (see CLIPS)."""
+    assert sorted(initial) == sorted(reference.initial)
+    for name, value in reference.initial.items():
+        np.testing.assert_array_equal(initial[name], value, err_msg=f"initial {name}")
+    active = reference.norms > reference.clip
+    assert active.any() and not active.all(), f"clip {reference.clip}, pre-clip norms {reference.norms}"
+    np.testing.assert_allclose(losses, reference.losses, rtol=RTOL, atol=0, err_msg="losses")
+    assert sorted(final) == sorted(reference.final)
+    for name, value in reference.final.items():
+        np.testing.assert_allclose(final[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
 @pytest.mark.parametrize("model,stages,nprocs,schedule,devices", [
     ("mlp", 2, 2, "1F1B", ""), ("mlp", 3, 3, "ZB-H1", ""), ("gpt", 2, 2, "1F1B", ""),
     ("mlp", 4, 2, "ZB-V", "gpu:0,gpu:1,gpu:1,gpu:0")],
     ids=["mlp-2proc-1F1B", "mlp-3proc-ZB-H1", "gpt-2proc-tied-embedding", "mlp-2proc-ZB-V-two-stages-each"])
-def test_processes_reproduce_the_threaded_run(tmp_path, model, stages, nprocs, schedule, devices):
-    """Every case clips by global norm. In ZB-V each process holds two stages: one passes its
-    activations to the other inside the process, and both stages' parts of the global norm are summed
-    before the all-reduce."""
+def test_processes_train_like_paddle_and_reproduce_the_threaded_run(tmp_path, model, stages, nprocs, schedule,
+                                                                    devices):
+    """Every case clips by global norm, active on some steps (see CLIPS). In ZB-V each process holds two
+    stages: one passes its activations to the other inside the process, and both stages' parts of the
+    global norm are summed before the all-reduce."""
     env = dict(MODEL=model, STAGES=str(stages), SCHED=schedule, DEVICES=devices)
     single = run(tmp_path, 1, **env)
     assert single.returncode == 0, single.stderr[-2000:]
     multi = run(tmp_path, nprocs, **env)
     assert multi.returncode == 0, multi.stderr[-2000:]
+    reference = paddle_reference(model, stages)
+    [losses] = fetched_losses(tmp_path)  # one rank holds the last stage
+    assert_like_paddle(states(tmp_path, "init_[0-9].npz"), states(tmp_path, "state_[0-9].npz"), losses, reference)
+    assert_like_paddle(states(tmp_path, "init_single.npz"), states(tmp_path, "state_single.npz"),
+                       np.load(tmp_path / "loss_single.npy"), reference)
     assert_equal_states(states(tmp_path, "state_[0-9].npz"), states(tmp_path, "state_single.npz"))
+    np.testing.assert_array_equal(losses, np.load(tmp_path / "loss_single.npy"))
 
 
 def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
@@ -112,14 +217,24 @@ def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
 def test_data_times_pipeline_parallel_equals_one_pipeline_on_the_global_batch(tmp_path):
     """dp=2 x pp=2 on 4 processes: each replica trains on half of every global batch and the replicas
     average their accumulated gradients before the update (global-norm clipping after the average).
-    Both replicas end bit-identical, and equal to one pipeline on the whole batch up to float32
-    summation order; the fetched loss and the evaluated loss are the global batch's; rank 0 alone
-    writes the checkpoint, with both pipeline ranks' state."""
+    Both replicas end bit-identical, and equal to single-device Paddle training on the whole global
+    batch, and to one (threaded) pipeline on it, up to float32 summation order; the fetched loss and
+    the evaluated loss are the global batch's; rank 0 alone writes the checkpoint, with both pipeline
+    ranks' state."""
     env = dict(MODEL="mlp", STAGES="2", SCHED="1F1B", EVAL="1")
     single = run(tmp_path, 1, **env)
     assert single.returncode == 0, single.stderr[-2000:]
     multi = run(tmp_path, 4, DP="2", CKPT="1", **env)
     assert multi.returncode == 0, multi.stderr[-2000:]
+    paddle_ref = paddle_reference("mlp", 2)
+    for k in (0, 1):  # each replica, against Paddle on the whole batch
+        assert_like_paddle(states(tmp_path, f"init_[{2 * k}{2 * k + 1}].npz"),
+                           states(tmp_path, f"state_[{2 * k}{2 * k + 1}].npz"),
+                           np.load(tmp_path / f"loss_{2 * k + 1}.npy"), paddle_ref)
+    assert_like_paddle(states(tmp_path, "init_single.npz"), states(tmp_path, "state_single.npz"),
+                       np.load(tmp_path / "loss_single.npy"), paddle_ref)
+    for name in ("eval_1", "eval_3", "eval_single"):
+        np.testing.assert_allclose(np.load(tmp_path / f"{name}.npy"), paddle_ref.evaluated, rtol=RTOL, err_msg=name)
     reference = states(tmp_path, "state_single.npz")
     replicas = [states(tmp_path, f"state_[{2 * k}{2 * k + 1}].npz") for k in (0, 1)]
     assert_equal_states(replicas[1], replicas[0])

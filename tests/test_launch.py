@@ -1,6 +1,7 @@
 """The same training script under ``python -m paddle.distributed.launch`` (Paddle 2.6's launcher): two
 processes on one node, and two "nodes" on this machine (two launchers meeting at --master
-127.0.0.1:PORT). Each run must reproduce the threaded run exactly, as under staticpipe.launch.
+127.0.0.1:PORT). Each run must train like single-device Paddle (the unguarded twin, computed once here)
+and reproduce the threaded run exactly, as under staticpipe.launch.
 
 Paddle's launcher sets PADDLE_TRAINER_ID, PADDLE_TRAINERS_NUM, PADDLE_MASTER (the job's TCPStore),
 PADDLE_TRAINER_ENDPOINTS, PADDLE_CURRENT_ENDPOINT and, without accelerators, PADDLE_DISTRI_BACKEND=gloo;
@@ -12,8 +13,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from test_distributed import REPO, assert_equal_states, run, states
+from test_distributed import (REPO, assert_equal_states, assert_like_paddle, fetched_losses, paddle_reference, run,
+                              states)
 
 from staticpipe._paddle import core
 from staticpipe.launch import free_ports, rank_environments
@@ -40,23 +43,35 @@ def finish(launcher, out):
 
 @pytest.fixture(scope="module")
 def threaded(tmp_path_factory):
-    """The threaded run's state, and the script (written by ``run``) that every launch runs."""
+    """The threaded run's output folder (state and losses), and the script (written by ``run``) that
+    every launch runs."""
     tmp_path = tmp_path_factory.mktemp("threaded")
     single = run(tmp_path, 1, **JOB)
     assert single.returncode == 0, single.stderr[-2000:]
-    return states(tmp_path, "state_single.npz"), tmp_path / "train.py"
+    return tmp_path, tmp_path / "train.py"
+
+
+def assert_launched_run_is_right(outs, threaded_out):
+    """The launched job's ranks (their files under ``outs``) trained like single-device Paddle and
+    reproduced the threaded run bit for bit."""
+    init = {k: v for out in outs for k, v in states(out, "init_[0-9].npz").items()}
+    final = {k: v for out in outs for k, v in states(out, "state_[0-9].npz").items()}
+    [losses] = fetched_losses(*outs)
+    assert_like_paddle(init, final, losses, paddle_reference(JOB["MODEL"], int(JOB["STAGES"])))
+    assert_equal_states(final, states(threaded_out, "state_single.npz"))
+    np.testing.assert_array_equal(losses, np.load(threaded_out / "loss_single.npy"))
 
 
 def test_two_processes_on_one_node(tmp_path, threaded):
-    reference, script = threaded
+    threaded_out, script = threaded
     out = tmp_path / "job"
     finish(paddle_launch(out, script, "--nproc_per_node", "2"), out)
-    assert_equal_states(states(out, "state_[0-9].npz"), reference)
+    assert_launched_run_is_right([out], threaded_out)
 
 
 def test_two_nodes_on_this_machine(tmp_path, threaded):
     """Two launchers, one process each: node 1 finds node 0 through --master."""
-    reference, script = threaded
+    threaded_out, script = threaded
     master = f"127.0.0.1:{free_ports(1)[0]}"
     outs = [tmp_path / f"node{rank}" for rank in (0, 1)]
     launchers = [paddle_launch(out, script, "--nnodes", "2", "--master", master, "--rank", str(rank),
@@ -65,7 +80,7 @@ def test_two_nodes_on_this_machine(tmp_path, threaded):
         finish(launcher, out)
     nodes = [states(out, "state_[0-9].npz") for out in outs]
     assert "fc_0.w_0" in nodes[0] and "fc_0.w_0" not in nodes[1]  # one stage per node
-    assert_equal_states({**nodes[0], **nodes[1]}, reference)
+    assert_launched_run_is_right(outs, threaded_out)
 
 
 def test_without_cuda_every_rank_uses_gloo_on_the_cpu(monkeypatch):

@@ -118,12 +118,62 @@ def test_bad_costs_and_deadlock():
 
 # ----------------------------------------------------------------------------- Gantt chart
 
-def test_draw_gantt(tmp_path):
+def test_draw_gantt(tmp_path, monkeypatch):
+    """The chart shows the timelines: one panel per timeline, one bar per event, in its rank's row, from its
+    start to its end (raw events shifted to start at 0), in its kind's colour (a rank's later chunk drawn
+    lighter); the legend names the kinds drawn. Then the PNG itself, decoded: its size, and at the centre of
+    every compute box wide enough to sample (above its micro-batch label), the box's colour blended as
+    drawn onto the white canvas. The figure is taken from ``savefig`` to map data to pixels."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.figure import Figure
+    from matplotlib.image import imread
+
+    from staticpipe.schedule.gantt import COLORS, THIN
+
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), savefig(fig, *a, **k))[1])
     path = tmp_path / "gantt.png"
     sim = simulate(lower(make_schedule("ZB-V", 2, 4, 2), chain_routes(4)), {"SEND": 0.1, "RECV": 0.1})
     raw = [(0, "0F0", 100.0, 100.5), (1, parse_action("1F0"), 100.5, 101.25), (1, "1B0", 101.25, 102.0)]
     draw_gantt({"measured": raw, "simulated": sim}, str(path))
     assert path.read_bytes()[:8] == PNG_MAGIC
+    panels = {"measured": [(0, parse_action("0F0"), 0.0, 0.5), (1, parse_action("1F0"), 0.5, 1.25),
+                           (1, parse_action("1B0"), 1.25, 2.0)],
+              "simulated": sim.events}
+    later_chunk = {(0, 3), (1, 2)}  # ZB-V on 2 ranks: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    (fig,) = figures
+    fig.set_dpi(100)  # the dpi it was saved with, so that transData maps to the PNG's pixels
+    image = imread(str(path))  # RGBA floats, row 0 at the top
+    assert image.shape == (390, 1200, 4)  # 12 x (0.5 + (0.45 * 2 ranks + 0.8) * 2 panels) inches at 100 dpi
+    legend = fig.legends[0].get_window_extent()
+    sampled = {}
+    assert len(fig.axes) == len(panels)
+    for ax, (name, events) in zip(fig.axes, panels.items()):
+        assert ax.get_title(loc="left") == name
+        assert len(ax.collections) == len(events)
+        for bars, (r, a, s, e) in zip(ax.collections, events):
+            (x0, y0), (x1, y1) = bars.get_paths()[0].get_extents().get_points()
+            assert (x0, x1) == (pytest.approx(s, abs=1e-9), pytest.approx(e, abs=1e-9)), (name, r, str(a))
+            assert r - 0.5 < y0 < y1 < r + 0.5, (name, r, str(a), y0, y1)  # inside its rank's row
+            assert (y1 - y0 < 0.2) == (a.kind in THIN), (name, str(a))
+            alpha = 1.0 if (r, a.stage) not in later_chunk else 0.55
+            rgba = bars.get_facecolor()[0]
+            assert tuple(rgba[:3]) == pytest.approx(to_rgb(COLORS[a.kind]), abs=1e-6), (name, str(a))
+            assert bars.get_alpha() == pytest.approx(alpha), (name, str(a))
+            left, top = ax.transData.transform(((s + e) / 2, r - 0.25))  # box spans r-0.35..r+0.25; label at r-0.05
+            width = ax.transData.transform((e, r))[0] - ax.transData.transform((s, r))[0]
+            if a.kind in THIN or width < 6 or legend.contains(left, top):
+                continue
+            blended = alpha * np.array(to_rgb(COLORS[a.kind])) + (1 - alpha)  # over the white background
+            pixel = image[int(image.shape[0] - top), int(left)]  # display y counts from the bottom
+            assert pixel[:3] == pytest.approx(blended, abs=0.02), (name, str(a), pixel, blended)
+            sampled[a.kind] = sampled.get(a.kind, 0) + 1
+    assert sampled.keys() == {Kind.F, Kind.B, Kind.W} and sum(sampled.values()) >= 20, sampled
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["F", "B", "W", "OPT", "SEND", "RECV"]
+    white = (image[..., :3] > 0.99).all(axis=-1).mean()
+    assert 0.3 < white < 0.95, white  # neither a blank canvas nor a flood
 
 
 # ----------------------------------------------------------------------------- command line

@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from functools import partial
 
 import pytest
 
 import staticpipe
 from models import build_gpt, build_mlp, build_resnet
-from pipeline_util import assert_same_training, minimize, train_twins
+from pipeline_util import assert_same_training, gradient_merge_twins, minimize, train_twins
 from schedule_util import HEAVY_MIDDLE
 from staticpipe._paddle import np, paddle
 from staticpipe.schedule import Kind, ScheduleError, format_schedule
+from staticpipe.schedule.gantt import COLORS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,21 +40,26 @@ def test_every_schedule_equals_single_device(schedule):
 
 @pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V", "interleaved"])
 def test_split_and_chunked_schedules_with_batch_norm(schedule):
-    """Convolutions, batch norm (statistics per micro-batch) and their split B/W kernels: equal to the
-    same pipeline under 1F1B, which equals Paddle's gradient merge on one device (test_training_parity)."""
+    """Convolutions, batch norm (statistics per micro-batch) and their split B/W kernels: equal to
+    Paddle's gradient merge on one device (one run per micro-batch, so batch-norm statistics per
+    micro-batch: the exact single-device reference), running statistics included; and bit-identical to
+    the same stages under 1F1B, each on a device of its own."""
     devices = LAYOUTS[schedule]
-    states = []
-    # the same layers split into the same stages; 1F1B gives each stage a device of its own
-    for sched, stage_devices in ((schedule, devices), ("1F1B", None)):
-        net = build_resnet(depth=50, num_stages=len(devices), width=8, image_size=16, stage_devices=stage_devices)
-        minimize(net, momentum(), dict(num_microbatches=4, schedule=sched))
-        exe = staticpipe.Executor()
-        exe.run(net.startup)
-        for step in range(2):
-            exe.run(net.main, feed=net.random_batch(8, seed=step))
-        states.append(exe.state_dict(net.main))
-    for name, value in states[1].items():
-        np.testing.assert_allclose(states[0][name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    builder = partial(build_resnet, depth=50, num_stages=len(devices), width=8, image_size=16, stage_devices=devices)
+    _, _, trained = gradient_merge_twins(builder, momentum, microbatches=4, steps=2, batch_size=8, evaluate=False,
+                                         schedule=schedule)
+    assert any("batch_norm" in k and k.endswith(".w_1") for k in trained)  # running means are state
+    net = build_resnet(depth=50, num_stages=len(devices), width=8, image_size=16)
+    minimize(net, momentum(), dict(num_microbatches=4, schedule="1F1B"))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    for step in range(2):
+        exe.run(net.main, feed=net.random_batch(8, seed=step))
+    one_f_one_b = exe.state_dict(net.main)
+    exe.close()
+    assert one_f_one_b.keys() == trained.keys()
+    for name, value in one_f_one_b.items():
+        np.testing.assert_array_equal(trained[name], value, err_msg=name)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "ZB-V"])
@@ -123,26 +130,79 @@ def test_schedule_layout_errors_name_the_fix():
         minimize(net, momentum(), dict(num_microbatches=5, schedule="interleaved"))
 
 
+def chrome_events(path):
+    """The Chrome trace's thread names and, per thread (rank), its complete events sorted by start."""
+    events = json.loads(path.read_text())["traceEvents"]
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    by_rank = {}
+    for e in sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"]):
+        by_rank.setdefault(e["tid"], []).append(e)
+    assert len(events) == len(threads) + sum(map(len, by_rank.values()))  # nothing else
+    return threads, by_rank
+
+
+def colored_pixels(image, kind):
+    """How many pixels of ``image`` (RGBA floats) have the Gantt chart's colour for ``kind``."""
+    rgb = np.array([int(COLORS[kind][i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return int((np.abs(image[..., :3] - rgb).max(axis=-1) < 0.02).sum())
+
+
 def test_traced_step_exports_a_timeline(tmp_path, capsys):
     net = build_mlp(num_stages=2)
     minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-H1"))
     exe = staticpipe.Executor(trace=True)
     exe.run(net.startup)
-    exe.run(net.main, feed=net.random_batch(16))
-    timeline = exe.timeline(net.main)
+    exe.run(net.main, feed=net.random_batch(16))  # the first step also prepares the stages' programs
+    started = time.perf_counter()
+    exe.run(net.main, feed=net.random_batch(16, seed=1))
+    wall = time.perf_counter() - started
+    timeline = exe.timeline(net.main)  # the last traced step
     plan = staticpipe.plan_of(net.main)
     assert len(timeline.events) == sum(len(a) for a in plan.actions.values())
-    assert 0.0 <= timeline.bubble() < 1.0
+    assert 0.0 < timeline.total <= wall
     assert timeline.predicted().total <= timeline.total * 1.001  # the bound never exceeds the measurement
+
+    # Chrome trace: one thread per rank, one event per action, in the order the rank ran its actions,
+    # each inside the step and after the previous one ended
     trace = tmp_path / "step.json"
     timeline.to_chrome(str(trace))
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
-    assert sorted(e["name"] for e in events if e["ph"] == "X") == sorted(
-        str(a) for acts in plan.actions.values() for a in acts)
+    threads, by_rank = chrome_events(trace)
+    assert threads == {r: f"rank {r} ({d})" for r, d in enumerate(plan.ranks)}
+    assert sorted(by_rank) == sorted(plan.actions)
+    for rank, events in by_rank.items():
+        assert [e["name"] for e in events] == [str(a) for a in plan.actions[rank]], rank
+        for e, action in zip(events, plan.actions[rank]):
+            assert e["cat"] == action.kind.value
+            assert e["args"] == {"stage": action.stage, "microbatch": action.microbatch}
+            assert e["ts"] >= 0 and e["dur"] >= 0 and e["ts"] + e["dur"] <= timeline.total * 1e6 + 1e-3  # µs
+        for before, after in zip(events, events[1:]):
+            assert after["ts"] >= before["ts"] + before["dur"] - 1e-3, (before, after)
+    assert min(e["ts"] for events in by_rank.values() for e in events) == 0.0
+    # busy time and bubble recomputed from the trace's events
+    end = max(e["ts"] + e["dur"] for events in by_rank.values() for e in events)
+    busy = {r: sum(e["dur"] for e in events if e["cat"] in ("F", "B", "W", "OPT")) for r, events in by_rank.items()}
+    assert timeline.total * 1e6 == pytest.approx(end, rel=1e-9)
+    assert {r: b * 1e6 for r, b in timeline.busy().items()} == pytest.approx(busy, rel=1e-9)
+    assert timeline.bubble() == pytest.approx(1 - sum(busy.values()) / (len(plan.ranks) * end), rel=1e-9, abs=1e-12)
+    assert 0.0 < timeline.bubble() < 1.0
+
+    # PNG: decodes to 12 x (0.5 + (0.45 x 2 ranks + 0.8) x 2 panels) inches at 100 dpi; the measured
+    # (upper) and the predicted (lower) panel both hold F, B and W boxes (the legend's patches, top right,
+    # are left out; a few hundred to 20,000 pixels each, fewer when a stall squeezes the boxes)
     png = tmp_path / "step.png"
     timeline.to_png(str(png))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+    image = imread(str(png))
+    assert image.shape == (390, 1200, 4)
+    height = image.shape[0]
+    measured, predicted = image[height // 10:height // 2], image[height // 2:]
+    for half, name in ((measured, "measured"), (predicted, "predicted")):
+        counts = {k: colored_pixels(half, k) for k in (Kind.F, Kind.B, Kind.W, Kind.OPT)}
+        assert min(counts[Kind.F], counts[Kind.B], counts[Kind.W]) > 20, (name, counts)
+    # measured transfers (thin bars: a rank waiting in RECV) are drawn; the simulation gives them no time
+    assert colored_pixels(measured, Kind.RECV) > 20
+    assert colored_pixels(predicted, Kind.RECV) == colored_pixels(predicted, Kind.SEND) == 0
+
     loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
     loader.set_sample_generator(net.sample_reader(32), batch_size=4)  # 2 steps of 4 micro-batches
     untraced = staticpipe.Executor()

@@ -14,7 +14,8 @@ import pytest
 
 import staticpipe
 from models import build_mlp
-from pipeline_util import assert_adam_family_training, assert_same_training, minimize, train_twins
+from pipeline_util import (assert_adam_family_training, assert_clipping_matters, assert_same_training,
+                           gradient_merge_twins, minimize, train_twins)
 from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,10 +42,10 @@ def test_training_equals_single_device(name):
 
 @pytest.mark.parametrize("make", [lambda: P.Adam(0.01), lambda: P.AdamW(0.01, weight_decay=0.01),
                                   lambda: P.Lamb(0.01)], ids=["adam", "adamw", "lamb"])
-def test_adam_family_equals_single_device_except_at_epsilon(make):
-    steps = 3
-    twin = train_twins(MLP3, make, steps=steps, num_microbatches=4)
-    assert_adam_family_training(twin, lr=0.01, steps=steps)
+def test_adam_family_equals_single_device_up_to_its_own_rounding_noise(make):
+    """Every tensor matches to rtol 1e-5, except coordinates where the single-device reference, trained
+    again with another order of its float32 sums, moves by a comparable amount (pipeline_util)."""
+    assert_adam_family_training(train_twins(MLP3, make, steps=3, num_microbatches=4, noise=True))
 
 
 def test_state_dict_holds_optimizer_states_on_the_parameter_stage():
@@ -105,8 +106,9 @@ class TiedLM:
                 "next": rng.integers(0, self.vocab, (batch_size, self.seq, 1)).astype("int64")}
 
 
-def tied_lm(num_stages=2, guarded=True, vocab=40, dim=16, seq=4):
-    """A language-model toy: the input embedding table is reused, transposed, as the output projection."""
+def tied_lm(num_stages=2, guarded=True, vocab=40, dim=16, seq=4, head=False):
+    """A language-model toy: the input embedding table is reused, transposed, as the output projection.
+    Its last stage owns no parameter unless ``head`` gives it a layer before the projection."""
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = 7
 
@@ -124,6 +126,8 @@ def tied_lm(num_stages=2, guarded=True, vocab=40, dim=16, seq=4):
                 h = paddle.tanh(paddle.static.nn.fc(h, dim, num_flatten_dims=2))
         with on(num_stages - 1):
             nxt = paddle.static.data("next", [None, seq, 1], "int64")
+            if head:
+                h = paddle.tanh(paddle.static.nn.fc(h, dim, num_flatten_dims=2))
             logits = paddle.matmul(h, table, transpose_y=True)
             loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, nxt, reduction="none"))
     return TiedLM(main, startup, loss, vocab, seq)
@@ -135,6 +139,19 @@ def tied_lm(num_stages=2, guarded=True, vocab=40, dim=16, seq=4):
                          ids=["momentum", "sgd+global-norm"])
 def test_tied_embedding_trains_like_single_device(stages, make):
     twin = train_twins(partial(tied_lm, num_stages=stages), make, steps=4, batch_size=8, num_microbatches=4)
+    assert_same_training(twin)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_tied_embedding_with_active_global_norm_clipping_where_every_stage_owns_parameters(stages):
+    """The clip is active on every step and every stage owns parameters (the last a layer before the
+    tied projection), so a stage clipping by its own part of the norm would train differently."""
+    clip = 0.1
+    twin = train_twins(partial(tied_lm, num_stages=stages, head=True),
+                       lambda: P.SGD(0.5, grad_clip=paddle.nn.ClipGradByGlobalNorm(clip)),
+                       steps=4, batch_size=8, num_microbatches=4)
+    assert twin.plan.shared == {"embedding": (0, stages - 1)}
+    assert_clipping_matters(twin.ref_grad_squares, twin.plan, clip)
     assert_same_training(twin)
 
 
@@ -153,40 +170,6 @@ def test_tied_embedding_is_identical_on_every_stage_that_reads_it():
 
 
 # ------------------------------------------------------------------------- batch norm and dropout
-
-def gradient_merge_twins(builder, make_opt, microbatches=4, steps=3, batch_size=16, eval_program=False):
-    """The exact single-device reference for layers that see micro-batches (batch norm, dropout): the
-    unsplit program trained with Paddle's GradientMergeOptimizer, one executor run per micro-batch, the
-    update applied every ``microbatches`` runs with averaged gradients. This is also what Paddle's own
-    pipeline computes: batch-norm statistics per micro-batch."""
-    ref, pipe = builder(guarded=False), builder()
-    with paddle.static.program_guard(ref.main, ref.startup), paddle.utils.unique_name.guard():
-        ref_test = ref.main.clone(for_test=True)
-        paddle.incubate.optimizer.GradientMergeOptimizer(make_opt(), k_steps=microbatches, avg=True).minimize(ref.loss)
-    pipe_test = pipe.main.clone(for_test=True)
-    minimize(pipe, make_opt(), dict(num_microbatches=microbatches))
-    ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
-    ref_exe.run(ref.startup, scope=scope)
-    exe = staticpipe.Executor()
-    exe.run(pipe.startup)
-    initial = exe.state_dict(pipe.main)
-    exe.set_state_dict(pipe.main, {k: np.array(scope.find_var(k).get_tensor()) for k in initial})
-    initial = exe.state_dict(pipe.main)
-    mb = batch_size // microbatches
-    for step in range(steps):
-        batch = ref.random_batch(batch_size, seed=step)
-        for m in range(microbatches):
-            ref_exe.run(ref.main, feed={k: v[m * mb:(m + 1) * mb] for k, v in batch.items()}, scope=scope)
-        exe.run(pipe.main, feed=batch)
-    trained = exe.state_dict(pipe.main)
-    assert any(not np.array_equal(trained[k], v) for k, v in initial.items())
-    for name, value in trained.items():
-        np.testing.assert_allclose(value, np.array(scope.find_var(name).get_tensor()), rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
-    batch = ref.random_batch(batch_size, seed=99)
-    return (ref_exe.run(ref_test, feed=batch, fetch_list=[ref.loss.name], scope=scope)[0],
-            exe.run(pipe_test, feed=batch, fetch_list=[pipe.loss.name])[0], trained)
-
 
 def test_batch_norm_statistics_per_microbatch_and_eval_uses_trained_statistics():
     from models import build_resnet
@@ -294,16 +277,20 @@ def test_recompute_refuses_unseeded_dropout_and_unknown_stages():
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_gpt_with_adamw_warmup_cosine_and_global_norm_clipping(stages):
     """The realistic case: tied embeddings across the first and last stage, AdamW with weight decay,
-    linear warm-up into cosine decay, global-norm clipping across every stage."""
+    linear warm-up into cosine decay, global-norm clipping across every stage. The clip (0.1; the
+    gradient norm is 0.6 to 0.9) is active on every step and every stage owns parameters, so a stage
+    clipping by its local norm would train differently (the reference's norms are asserted)."""
     from models import build_gpt
+    clip = 0.1
 
     def make():
         sched = LR.LinearWarmup(LR.CosineAnnealingDecay(0.01, T_max=8), 2, 0.0, 0.01)
-        return P.AdamW(sched, weight_decay=0.01, grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+        return P.AdamW(sched, weight_decay=0.01, grad_clip=paddle.nn.ClipGradByGlobalNorm(clip))
 
-    steps = 4
-    twin = train_twins(partial(build_gpt, num_stages=stages), make, steps=steps, batch_size=8, num_microbatches=4)
-    assert_adam_family_training(twin, lr=0.01, steps=steps)
+    twin = train_twins(partial(build_gpt, num_stages=stages), make, steps=4, batch_size=8, num_microbatches=4,
+                       noise=True)
+    assert_clipping_matters(twin.ref_grad_squares, twin.plan, clip)
+    assert_adam_family_training(twin)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 
 import staticpipe
 from models import build_gpt, build_mlp
-from pipeline_util import minimize
+from pipeline_util import assert_clipping_matters, clip_norm_squares, minimize
 from staticpipe._paddle import np, paddle
+from staticpipe.runtime.channel import InProcessChannel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,11 +21,49 @@ def loader_of(net, microbatches, steps, global_batch=8):
     return loader.set_sample_generator(net.sample_reader(global_batch * steps), batch_size=global_batch // microbatches)
 
 
-def test_verify_passes_a_correct_pipeline_and_reports_every_step():
-    net = build_gpt(num_stages=3)
+def reference_norms(net, batches):
+    """What verify's reference computes, recomputed: ``net.main`` run unsplit from the startup state on
+    ``batches``, the scheduler advanced per step and put back; per step, the loss and the squared norm
+    of every parameter's pre-clip gradient (Paddle's ClipGradByGlobalNorm's own values)."""
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    initial = exe.state_dict(net.main)
+    exe.close()
+    ref, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    for name, value in initial.items():
+        scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    squares = clip_norm_squares(net.main)
+    sched = net.main.lr_scheduler
+    saved = sched.state_dict()
+    losses, norms = [], []
+    for batch in batches:
+        loss, *values = ref.run(net.main, feed=batch, fetch_list=[net.loss.name, *squares.values()], scope=scope)
+        losses.append(float(np.mean(loss)))
+        norms.append({p: float(np.asarray(v).item()) for p, v in zip(squares, values)})
+        sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sched.set_state_dict(saved)
+    return losses, norms
+
+
+def clipped(kind, clip):
     sched = paddle.optimizer.lr.LinearWarmup(paddle.optimizer.lr.CosineAnnealingDecay(0.01, T_max=10), 2, 0.0, 0.01)
-    minimize(net, paddle.optimizer.Momentum(sched, momentum=0.9, grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0)),
-             dict(num_microbatches=4))
+    if kind == "momentum":
+        return paddle.optimizer.Momentum(sched, momentum=0.9, grad_clip=paddle.nn.ClipGradByGlobalNorm(clip))
+    return paddle.optimizer.AdamW(sched, weight_decay=0.01, grad_clip=paddle.nn.ClipGradByGlobalNorm(clip))
+
+
+CLIP = 0.1  # the test GPT's gradient norm is 0.6 to 0.9: clipping is active on every step
+
+
+@pytest.mark.parametrize("stages, kind", [(3, "momentum"), (2, "adamw")])
+def test_verify_passes_a_correct_pipeline_and_reports_every_step(stages, kind):
+    """GPT (tied embedding on the first and last stage), warm-up into cosine decay and a global-norm
+    clip that is active on every step of verify's reference, with parameters on every stage."""
+    net = build_gpt(num_stages=stages)
+    minimize(net, clipped(kind, CLIP), dict(num_microbatches=4))
+    sched = net.main.lr_scheduler
     report = staticpipe.verify(net.main, loader_of(net, 4, 3), net.startup, steps=3)
     assert report.ok, str(report)
     assert len(report.pipeline_losses) == 3 and report.max_diff["tok_embedding"][0] <= 1e-6
@@ -33,6 +73,28 @@ def test_verify_passes_a_correct_pipeline_and_reports_every_step():
     assert sched.last_epoch == 0  # the user's scheduler is left where it was
     text = str(report)
     assert text.startswith("staticpipe.verify: OK after 3 steps") and "missing none, duplicated none" in text
+    whole = net.random_batch(24)  # the loader's 24 samples: three global batches of 8
+    losses, norms = reference_norms(net, [{k: v[8 * s:8 * (s + 1)] for k, v in whole.items()} for s in range(3)])
+    assert losses == report.reference_losses  # the same reference, so the same gradients
+    assert_clipping_matters(norms, staticpipe.plan_of(net.main), CLIP)
+
+
+def test_verify_catches_stages_that_clip_by_their_local_norm(monkeypatch):
+    """A planted bug: the cross-stage sum of the global-norm clip returns each rank its own part, so
+    every stage clips by its local norm. verify must report the drift."""
+    real = InProcessChannel.allreduce
+
+    def local_part(self, key, rank, value, ranks):
+        total = real(self, key, rank, value, ranks)
+        return total if key == ("opt", "ready") else value
+    monkeypatch.setattr(InProcessChannel, "allreduce", local_part)
+    net = build_gpt(num_stages=3)
+    minimize(net, clipped("momentum", CLIP), dict(num_microbatches=4))
+    report = staticpipe.verify(net.main, loader_of(net, 4, 3), net.startup, steps=3)
+    assert not report.ok and "MISMATCH" in str(report)
+    wrong = report.mismatches()  # parameters and their optimizer states (velocities) on every stage
+    for stage in staticpipe.plan_of(net.main).stages:
+        assert any(m == p or m.startswith(p + "_") for p in stage.parameters for m in wrong), (stage.index, wrong)
 
 
 def test_verify_starts_from_an_executors_current_state():

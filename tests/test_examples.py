@@ -1,0 +1,34 @@
+"""Every example runs, on whichever Paddle this suite runs on (CI runs it on 2.6.2 and on 3.3.1), with small
+sizes: the main job of the README and the others (the seed ResNet-50 job: tests/test_seed_example.py)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+EXAMPLES = {  # script -> (small arguments, a line its last output must match)
+    "train_mlp.py": (["--steps", "3", "--width", "64", "--batch", "64"],
+                     r"^3 steps of 64 samples in [\d.]+ s: [\d.]+ samples/s on 2 pipeline stages; loss [\d.]+ -> [\d.]+$"),
+    "train_dlrm.py": (["--steps", "3"], r"^devices \['cpu', 'gpu:0', 'gpu:1'\]; loss [\d.]+ -> [\d.]+$"),
+    "train_gpt.py": (["--steps", "3"], r"^loss [\d.]+ -> [\d.]+; activation memory per stage: \{0: "),
+    "auto_partition.py": (["--steps", "2", "--batch", "16", "--microbatches", "4"],
+                          r"^loss [\d.]+ -> [\d.]+; last step's busy time per stage: "),
+    "run_saved_plan.py": (["--steps", "3", "--dir", "{tmp}/plan", "--width", "32"],
+                          r"^trained 3 steps from .+/plan: loss [\d.]+ -> [\d.]+$"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(EXAMPLES))
+def test_example_runs(script, tmp_path):
+    args, last = EXAMPLES[script]
+    cmd = [sys.executable, os.path.join(REPO, "examples", script)] + [a.format(tmp=tmp_path) for a in args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [ln for ln in result.stdout.splitlines() if ln.strip()]
+    assert lines and re.search(last, lines[-1]), result.stdout[-2000:]
