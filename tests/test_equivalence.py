@@ -10,7 +10,7 @@ from functools import partial
 
 import pytest
 
-from models import build_convnet, build_mlp, build_resnet
+from models import build_convnet, build_mlp
 from pipeline_util import assert_same_training, train_twins
 from staticpipe._paddle import paddle
 
@@ -39,13 +39,3 @@ def test_any_number_of_microbatches(microbatches):
     twin = train_twins(partial(build_mlp, num_stages=4), OPTIMIZERS["momentum"],
                        num_microbatches=microbatches, schedule="1F1B")
     assert_same_training(twin)
-
-
-def test_resnet_loss_falls():
-    twin = train_twins(partial(build_resnet, depth=50, num_stages=2, width=8, image_size=16),
-                       lambda: paddle.optimizer.Momentum(0.05, momentum=0.9),
-                       steps=6, batch_size=16, same_batch=True, num_microbatches=4)
-    # Batch norm normalises each micro-batch by its own statistics (as Paddle's pipeline does), so
-    # the pipeline is not bit-equal to the reference here; it must still learn the repeated batch.
-    print("pipeline losses", twin.pipe_losses, "reference", twin.ref_losses)
-    assert twin.pipe_losses[-1] < 0.7 * twin.pipe_losses[0]

@@ -7,7 +7,7 @@ Run from anywhere::
     python tests/mutation/run_mutants.py --all      # no -x: count every test a mutant fails (slower)
     python tests/mutation/run_mutants.py --list     # the mutants and their tests, nothing run
     python tests/mutation/run_mutants.py --extra    # the x mutants: checks that newer tests can fail
-    python tests/mutation/run_mutants.py x1 --tests tests/test_equivalence.py::test_resnet_loss_falls
+    python tests/mutation/run_mutants.py x1 --tests tests/test_models.py::test_resnet_loss_falls_as_in_single_device_training
     python tests/mutation/run_mutants.py --from-git HEAD   # mutate a commit's tree instead of the work tree
 
 What it does:
