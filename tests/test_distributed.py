@@ -135,7 +135,7 @@ def paddle_reference(model: str, stages: int) -> Reference:
     in a scope of its own, its own startup program (built from the same initializer seeds as the
     pipeline's, so the initial states must be equal: checked, bit for bit, by ``assert_like_paddle``),
     SCRIPT's optimizer and SCRIPT's STEPS global batches, each whole (data-parallel replicas split them).
-    Computed once per case, in the test process: 0.05-0.1 s for the MLP, 0.5 s for the GPT."""
+    Computed once per case, in the test process: about 0.1 s for the MLP, 0.5 s for the GPT."""
     paddle.enable_static()
     net = (build_gpt if model == "gpt" else build_mlp)(num_stages=stages, guarded=False)
     test = net.main.clone(for_test=True)
