@@ -241,3 +241,42 @@ def gradient_merge_twins(builder, make_opt, microbatches=4, steps=3, batch_size=
     batch = ref.random_batch(batch_size, seed=99)
     return (ref_exe.run(ref_test, feed=batch, fetch_list=[ref.loss.name], scope=scope)[0],
             exe.run(pipe_test, feed=batch, fetch_list=[pipe.loss.name])[0], trained)
+
+
+# ------------------------------------------------------------ Paddle's generated names, looked up
+# Tests never hard-code the names Paddle's unique-name generator makes (a layer's parameters, its
+# temporaries, the learning rate): they follow the order of creation and change across Paddle versions.
+
+def dense_layers(program) -> list[tuple[str, str]]:
+    """(weight, bias) of each fully connected layer of ``program`` (``paddle.static.nn.fc``), in op order:
+    the parameter a ``mul``/``matmul`` op multiplies by and the parameter added to its product."""
+    block = program.global_block()
+    params = {p.name for p in program.all_parameters()}
+    layers = []
+    for op in block.ops:
+        if op.type in ("mul", "matmul", "matmul_v2") and op.input("Y")[0] in params:
+            product = op.output("Out")[0]
+            bias = next(o.input("Y")[0] for o in block.ops if o.type == "elementwise_add"
+                        and o.input("X") == [product] and o.input("Y")[0] in params)
+            layers.append((op.input("Y")[0], bias))
+    return layers
+
+
+def parameter_owners(program) -> list[str]:
+    """The layers owning ``program``'s parameters, in creation order, each once: the part of a parameter's
+    name before its last dot (Paddle names a layer's parameters ``<layer>.<kind>_<k>``)."""
+    return list(dict.fromkeys(p.name.rsplit(".", 1)[0] for p in program.all_parameters()))
+
+
+def op_vars(program, op_type: str, slot: str) -> list[str]:
+    """The (first) variable in input or output ``slot`` of each ``op_type`` op of ``program``'s global
+    block, in op order: ``op_vars(main, "relu", "Out")[1]`` is the second ReLU's output."""
+    ops = [op for op in program.global_block().ops if op.type == op_type]
+    return [(op.input(slot) if slot in op.input_names else op.output(slot))[0] for op in ops]
+
+
+def learning_rate_var(program) -> str:
+    """The variable ``program``'s optimizer ops read their learning rate from (there must be one)."""
+    names = {op.input("LearningRate")[0] for op in program.global_block().ops if "LearningRate" in op.input_names}
+    assert len(names) == 1, names
+    return names.pop()

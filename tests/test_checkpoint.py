@@ -10,7 +10,7 @@ import pytest
 
 import staticpipe
 from models import build_mlp, build_resnet
-from pipeline_util import minimize
+from pipeline_util import dense_layers, minimize
 from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,8 +60,9 @@ def test_checkpoint_round_trips_and_is_paddles_format(tmp_path):
         os.makedirs(tmp_path / "single")
         paddle.static.save(ref.main, str(tmp_path / "single" / "model"))
     staticpipe.load(fresh_net.main, str(tmp_path / "single"), fresh)
-    np.testing.assert_array_equal(fresh.state_dict(fresh_net.main)["fc_0.w_0"],
-                                  np.array(scope.find_var("fc_0.w_0").get_tensor()))
+    weight = dense_layers(fresh_net.main)[0][0]
+    np.testing.assert_array_equal(fresh.state_dict(fresh_net.main)[weight],
+                                  np.array(scope.find_var(weight).get_tensor()))
 
 
 def test_a_checkpoint_of_another_program_is_refused(tmp_path):
@@ -71,12 +72,14 @@ def test_a_checkpoint_of_another_program_is_refused(tmp_path):
     with pytest.raises(ValueError) as err:
         staticpipe.load(other.main, str(tmp_path / "ck"), other_exe)
     message = str(err.value)
-    fc_5 = [f"fc_5.{p}_0{acc}" for p in "bw" for acc in ("", "_beta1_pow_acc_0", "_beta2_pow_acc_0", "_moment1_0",
-                                                         "_moment2_0")]
-    assert message.startswith(f"checkpoint {str(tmp_path / 'ck')!r} does not match the program: missing {fc_5}; "
-                              "unexpected none; wrong shapes ['fc_0.b_0: checkpoint [32], program [16]', "
-                              "'fc_0.b_0_moment1_0: checkpoint [32], program [16]'")
-    assert message.endswith("'fc_4.w_0_moment2_0: checkpoint [32, 10], program [16, 16]']; wrong dtypes none")
+    layers = dense_layers(other.main)  # the checkpoint's 5 layers, then the sixth it lacks
+    last = sorted(f"{p}{acc}" for p in layers[5] for acc in ("", "_beta1_pow_acc_0", "_beta2_pow_acc_0",
+                                                              "_moment1_0", "_moment2_0"))
+    bias = layers[0][1]
+    assert message.startswith(f"checkpoint {str(tmp_path / 'ck')!r} does not match the program: missing {last}; "
+                              f"unexpected none; wrong shapes ['{bias}: checkpoint [32], program [16]', "
+                              f"'{bias}_moment1_0: checkpoint [32], program [16]'")
+    assert message.endswith(f"'{layers[4][0]}_moment2_0: checkpoint [32, 10], program [16, 16]']; wrong dtypes none")
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         staticpipe.load(net.main, str(tmp_path / "nothing"), exe)
 

@@ -11,7 +11,7 @@ import pytest
 
 import staticpipe
 from models import build_mlp
-from pipeline_util import minimize
+from pipeline_util import dense_layers, learning_rate_var, minimize
 from staticpipe import atomic, pickled_arrays
 from staticpipe._paddle import np, paddle
 
@@ -136,7 +136,8 @@ def test_a_moved_aside_checkpoint_is_put_back_only_once_its_save_is_dead(tmp_pat
     os.close(lock)  # the save dies
     assert staticpipe.load(net.main, path, exe)["step"] == 1
     assert os.listdir(tmp_path) == ["ck"]
-    np.testing.assert_array_equal(exe.state_dict(net.main)["fc_0.w_0"], state["fc_0.w_0"])
+    weight = dense_layers(net.main)[0][0]  # the first layer's
+    np.testing.assert_array_equal(exe.state_dict(net.main)[weight], state[weight])
 
 
 def test_a_missing_optimizer_file_is_refused_unless_the_checkpoint_has_no_optimizer_state(tmp_path):
@@ -223,8 +224,9 @@ def test_a_flipped_truncated_or_garbled_array_file_is_named(tmp_path):
         refused(fresh, path, ValueError, f"{file!r} is truncated or corrupt: unpickling it raised {raised}")
     rewrite_plain(file, ["not", "a", "dict"])
     refused(fresh, path, ValueError, f"{file!r} holds a list, not a dict of arrays by name")
-    rewrite_plain(file, {"fc_0.w_0": [1.0, 2.0], 3: np.zeros(2)})
-    refused(fresh, path, ValueError, f"{file!r} holds entries that are not arrays by name: 'fc_0.w_0' (list), "
+    weight = dense_layers(fresh[0].main)[0][0]  # the first layer's
+    rewrite_plain(file, {weight: [1.0, 2.0], 3: np.zeros(2)})
+    refused(fresh, path, ValueError, f"{file!r} holds entries that are not arrays by name: '{weight}' (list), "
                                      "3 (ndarray)")
 
 
@@ -246,8 +248,9 @@ class Payload:
 def test_loading_never_runs_code_from_a_crafted_pickle(tmp_path):
     path, _, fresh = saved(tmp_path)
     pwned = str(tmp_path / "pwned")
-    for payload in ({"learning_rate_0": Payload(pwned)},
-                    {"learning_rate_0": np.array([Payload(pwned)], dtype=object)}):  # inside numpy's reconstruction
+    rate = learning_rate_var(fresh[0].main)
+    for payload in ({rate: Payload(pwned)},
+                    {rate: np.array([Payload(pwned)], dtype=object)}):  # inside numpy's reconstruction
         file = rewrite(path, "model.pdopt", payload)
         refused(fresh, path, ValueError, f"{file!r} refers to the Python global io.open, which a file of arrays "
                                          "never needs: refused before anything ran (a crafted or foreign pickle)")
@@ -260,12 +263,14 @@ def test_loading_never_runs_code_from_a_crafted_pickle(tmp_path):
 def test_an_array_of_another_dtype_is_named_before_anything_is_set(tmp_path):
     path, state, fresh = saved(tmp_path)
     params = {name: value for name, value in pickled_arrays.read(os.path.join(path, "model.pdparams")).items()}
-    params["fc_0.w_0"] = params["fc_0.w_0"].astype("float64")
-    params["fc_1.b_0"] = params["fc_1.b_0"].astype("float16")
+    layers = dense_layers(fresh[0].main)
+    weight, bias = layers[0][0], layers[1][1]  # the first layer's weight, the second's bias
+    params[weight] = params[weight].astype("float64")
+    params[bias] = params[bias].astype("float16")
     rewrite(path, "model.pdparams", params)
     refused(fresh, path, ValueError, f"checkpoint {path!r} does not match the program: missing none; unexpected "
-                                     "none; wrong shapes none; wrong dtypes ['fc_0.w_0: checkpoint float64, program "
-                                     "float32', 'fc_1.b_0: checkpoint float16, program float32']")
+                                     f"none; wrong shapes none; wrong dtypes ['{weight}: checkpoint float64, program "
+                                     f"float32', '{bias}: checkpoint float16, program float32']")
 
 
 @pytest.mark.parametrize("protocol", [2, 3, 4])

@@ -13,7 +13,7 @@ import pytest
 
 import staticpipe
 from models import build_mlp
-from pipeline_util import minimize
+from pipeline_util import dense_layers, learning_rate_var, minimize
 from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,8 +43,9 @@ def test_startup_puts_each_parameter_on_its_stage_only():
         for other in plan.stages:
             for name in other.parameters:
                 assert (scope.find_var(name) is not None) == (other is stage), (name, stage.device)
-    assert exe.scope_of("gpu:0").find_var("learning_rate_0") is not None
-    assert exe.scope_of("gpu:1").find_var("learning_rate_0") is not None
+    rate = learning_rate_var(net.main)
+    assert exe.scope_of("gpu:0").find_var(rate) is not None
+    assert exe.scope_of("gpu:1").find_var(rate) is not None
 
 
 def test_train_from_dataset_equals_step_by_step_runs(capsys):
@@ -62,7 +63,8 @@ def test_train_from_dataset_equals_step_by_step_runs(capsys):
     np.testing.assert_array_equal(np.array(history, dtype=object).astype(float),
                                   np.array(expected, dtype=object).astype(float))
     out = capsys.readouterr().err
-    assert re.search(r"^step 1: loss=[\d.]+, accuracy_0\.tmp_\d=[\d.]+, [\d.]+ samples/s$", out, re.M)
+    accuracy = re.escape(net.outputs["accuracy"].name)
+    assert re.search(rf"^step 1: loss=[\d.]+, {accuracy}=[\d.]+, [\d.]+ samples/s$", out, re.M)
     assert re.search(r"^step 4: loss=", out, re.M) and not re.search(r"^step 3:", out, re.M)
     assert re.search(r"^trained 4 steps, 64 samples in [\d.]+ s \([\d.]+ samples/s\)$", out, re.M)
 
@@ -92,7 +94,7 @@ def test_state_dict_round_trip_and_unknown_names():
     net, exe = pipelined_mlp()
     exe.run(net.main, feed=net.random_batch(16), fetch_list=[net.loss])
     state = exe.state_dict(net.main)
-    assert "fc_0.w_0_velocity_0" in state and not any(k.endswith("@MERGED") for k in state)
+    assert f"{dense_layers(net.main)[0][0]}_velocity_0" in state and not any(k.endswith("@MERGED") for k in state)
     changed = {k: (v + 1).astype(v.dtype) for k, v in state.items()}
     exe.set_state_dict(net.main, changed)
     for k, v in exe.state_dict(net.main).items():

@@ -8,7 +8,7 @@ import pytest
 
 import staticpipe
 from models import build_mlp
-from pipeline_util import minimize
+from pipeline_util import dense_layers, minimize, op_vars
 from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,9 +67,10 @@ def test_an_empty_batch_is_refused_and_leaves_nothing_behind():
 def test_state_before_the_startup_program_is_refused():
     net = pipelined()
     exe = staticpipe.Executor()
+    weight = dense_layers(net.main)[0][0]
     with pytest.raises(ValueError, match=re.escape(
             "set_state_dict before the startup program: stage 0 (gpu:0) has no value for")):
-        exe.set_state_dict(net.main, {"fc_0.w_0": np.zeros((64, 256), "float32")})
+        exe.set_state_dict(net.main, {weight: np.zeros((64, 256), "float32")})
     with pytest.raises(ValueError, match=r"^stage 0 \(gpu:0\) has no value for '.+' and \d+ more: run the startup "
                                          r"program \(exe.run\(startup\)\) before the first step$"):
         exe.run(net.main, feed=net.random_batch(8))
@@ -78,13 +79,14 @@ def test_state_before_the_startup_program_is_refused():
 def test_a_value_of_another_dtype_is_refused_unless_it_converts_exactly():
     net = pipelined()
     exe = started(net)
-    weight = exe.state_dict(net.main)["fc_0.w_0"]
+    name = dense_layers(net.main)[0][0]
+    weight = exe.state_dict(net.main)[name]
     with pytest.raises(ValueError, match=re.escape(
-            "set_state_dict: 'fc_0.w_0' is float32 in the program, but the value given is float64 and does not "
+            f"set_state_dict: '{name}' is float32 in the program, but the value given is float64 and does not "
             "convert exactly")):
-        exe.set_state_dict(net.main, {"fc_0.w_0": weight.astype("float64") + 1e-12})
-    exe.set_state_dict(net.main, {"fc_0.w_0": weight.astype("float64")})  # exact: stored as float32
-    assert exe.state_dict(net.main)["fc_0.w_0"].dtype == np.float32
+        exe.set_state_dict(net.main, {name: weight.astype("float64") + 1e-12})
+    exe.set_state_dict(net.main, {name: weight.astype("float64")})  # exact: stored as float32
+    assert exe.state_dict(net.main)[name].dtype == np.float32
 
 
 class DoesNothing:
@@ -132,11 +134,12 @@ def test_check_finite_names_the_first_non_finite_value():
     exe = started(net, check_finite=True)
     batch = net.random_batch(8)
     batch["features"][5, 3] = np.nan  # row 5: micro-batch 1 of 2
+    product = op_vars(net.main, "mul", "Out")[0]  # the first layer's
     with pytest.raises(staticpipe.NonFiniteError, match=re.escape(
             "stage 0 (gpu:0) failed in action 0F1: the first non-finite value: op 'mul' wrote 256 NaN and 0 Inf "
-            "into 'fc_0.tmp_0'")) as err:
+            f"into '{product}'")) as err:
         exe.run(net.main, feed=batch, fetch_list=[net.loss])
-    assert (err.value.stage, str(err.value.action), err.value.op, err.value.variable) == (0, "0F1", "mul", "fc_0.tmp_0")
+    assert (err.value.stage, str(err.value.action), err.value.op, err.value.variable) == (0, "0F1", "mul", product)
     assert not paddle.get_flags("FLAGS_check_nan_inf")["FLAGS_check_nan_inf"]  # put back after the step
     before = exe.state_dict(net.main)
     exe.run(net.main, feed=net.random_batch(8), fetch_list=[net.loss])  # the failed step left nothing behind

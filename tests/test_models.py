@@ -9,6 +9,7 @@ import staticpipe
 from staticpipe._paddle import np, paddle
 
 from models import BUILDERS, Network, build_convnet, build_dlrm, build_gpt, build_mlp, build_resnet, stage_of
+from pipeline_util import dense_layers, op_vars
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,12 +96,12 @@ def test_guarded_and_unguarded_losses_agree(pair):
 
 
 def test_same_shaped_parameters_start_different():
-    net = build_mlp(num_stages=1, depth=3)  # fc_1 and fc_2 are both hidden x hidden
+    net = build_mlp(num_stages=1, depth=3)  # layers 1 and 2 are both hidden x hidden
     exe = paddle.static.Executor(paddle.CPUPlace())
     with paddle.static.scope_guard(paddle.static.Scope()):
         exe.run(net.startup)
         scope = paddle.static.global_scope()
-        w1, w2 = (np.array(scope.find_var(n).get_tensor()) for n in ("fc_1.w_0", "fc_2.w_0"))
+        w1, w2 = (np.array(scope.find_var(w).get_tensor()) for w, _ in dense_layers(net.main)[1:3])
     assert w1.shape == w2.shape and not np.array_equal(w1, w2)
 
 
@@ -287,8 +288,9 @@ def test_resnet_loss_falls_as_in_single_device_training():
         exe.close()
     assert pipe_losses[-1] < 0.7 * pipe_losses[0], pipe_losses
     np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
+    running = op_vars(pipe.main, "batch_norm", "Mean") + op_vars(pipe.main, "batch_norm", "Variance")
     kinds = {"parameter": [p.name for p in pipe.main.all_parameters() if p.trainable],
-             "running statistics": [n for n in names if "batch_norm" in n and n.endswith((".w_1", ".w_2"))],
+             "running statistics": [n for n in names if n in running],
              "velocity": [n for n in names if "velocity" in n]}
     assert all(kinds.values()) and not set(kinds["parameter"]) & set(kinds["running statistics"]), kinds
     for name in names:

@@ -16,7 +16,7 @@ import pytest
 
 from models import build_gpt, build_mlp
 from pipeline_util import (adam_family_mismatches, assert_adam_family_training, assert_clipping_matters,
-                           assert_same_training, train_twins)
+                           assert_same_training, dense_layers, train_twins)
 from staticpipe._paddle import paddle
 from staticpipe.runtime.channel import InProcessChannel
 from test_training_parity import tied_lm
@@ -47,26 +47,30 @@ def adam_twin():
     return twin
 
 
-def shifted_bias(params):  # the whole hidden bias wrong by just under what the former check allowed
-    params["fc_1.b_0"] = params["fc_1.b_0"] + 0.99 * STEPS * LEARNING_RATE
+def shifted_bias(params, bias):  # the whole hidden bias wrong by just under what the former check allowed
+    params[bias] = params[bias] + 0.99 * STEPS * LEARNING_RATE
 
 
-def one_coordinate(params):  # one coordinate of a bias wrong by lr / 100
-    params["fc_3.b_0"] = params["fc_3.b_0"].copy()
-    params["fc_3.b_0"][7] += LEARNING_RATE / 100
+def one_coordinate(params, bias):  # one coordinate of a bias wrong by lr / 100
+    params[bias] = params[bias].copy()
+    params[bias][7] += LEARNING_RATE / 100
 
 
-def scaled_weight(params):  # a weight matrix 1e-4 (relative) off
-    params["fc_2.w_0"] = params["fc_2.w_0"] * np.float32(1 + 1e-4)
+def scaled_weight(params, weight):  # a weight matrix 1e-4 (relative) off
+    params[weight] = params[weight] * np.float32(1 + 1e-4)
 
 
-@pytest.mark.parametrize("plant, tensor, former_catches", [(shifted_bias, "fc_1.b_0", False),
-                                                           (one_coordinate, "fc_3.b_0", False),
-                                                           (scaled_weight, "fc_2.w_0", True)],
+WEIGHT, BIAS = 0, 1
+
+
+@pytest.mark.parametrize("plant, layer, part, former_catches", [(shifted_bias, 1, BIAS, False),
+                                                                (one_coordinate, 3, BIAS, False),
+                                                                (scaled_weight, 2, WEIGHT, True)],
                          ids=["bias-vector", "one-coordinate", "scaled-weight"])
-def test_adam_family_check_fails_on_a_wrong_tensor(adam_twin, plant, tensor, former_catches):
+def test_adam_family_check_fails_on_a_wrong_tensor(adam_twin, plant, layer, part, former_catches):
+    tensor = dense_layers(build_mlp(num_stages=3).main)[layer][part]
     planted = dict(adam_twin.pipe_params)
-    plant(planted)
+    plant(planted, tensor)
     twin = type(adam_twin)(**{**vars(adam_twin), "pipe_params": planted})
     assert former_check(twin) is not former_catches  # the former check let the first two through
     with pytest.raises(AssertionError) as failure:

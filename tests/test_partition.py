@@ -13,7 +13,7 @@ from staticpipe._paddle import OP_DEVICE, paddle
 from staticpipe.partition import group_layers, policies
 from staticpipe.partition.layers import forward_ops
 from staticpipe.verify import check_placement
-from tests.pipeline_util import assert_same_training, minimize, train_twins
+from tests.pipeline_util import assert_same_training, dense_layers, minimize, op_vars, parameter_owners, train_twins
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,10 +72,10 @@ def _stage_runs(program) -> list[str]:
 def test_layers_group_parameter_owners_and_cover_every_op_once():
     net = build_mlp(num_stages=1, guarded=False, depth=4)
     layers = group_layers(net.main)
-    assert [layer.name for layer in layers] == ["fc_0", "fc_1", "fc_2", "fc_3", "fc_4"]
+    assert [layer.name for layer in layers] == parameter_owners(net.main) and len(layers) == 5
     ops = [i for layer in layers for i in layer.ops]
     assert ops == forward_ops(net.main) == list(range(len(net.main.global_block().ops)))
-    assert layers[0].parameters == ("fc_0.w_0", "fc_0.b_0")
+    assert layers[0].parameters == dense_layers(net.main)[0]
 
 
 def test_layers_follow_name_scopes():
@@ -86,7 +86,7 @@ def test_layers_follow_name_scopes():
             h = paddle.static.nn.fc(paddle.static.nn.fc(x, 4), 4)
         paddle.mean(paddle.static.nn.fc(h, 4))
     layers = group_layers(main)
-    assert [layer.name for layer in layers] == ["encoder", "fc_2"]
+    assert [layer.name for layer in layers] == ["encoder", parameter_owners(main)[2]]
     assert len(layers[0].ops) == 4
 
 
@@ -98,7 +98,7 @@ def test_layers_keep_writers_of_one_variable_together():
         out = paddle.static.nn.fc(h, 4)
         paddle.assign(paddle.static.nn.fc(out, 4), output=h)  # writes h again, two layers later
     layers = group_layers(main)
-    assert [layer.name for layer in layers] == ["fc_0"]
+    assert [layer.name for layer in layers] == parameter_owners(main)[:1]
 
 
 # --- profile ---------------------------------------------------------------------------------------
@@ -107,14 +107,15 @@ def test_profile_rows_flops_and_exports(tmp_path):
     net = build_mlp(num_stages=1, guarded=False, in_dim=64, hidden=256, depth=4)
     prof = staticpipe.profile(net.main, net.random_batch(16), startup=net.startup, repeat=2)
     assert [r.index for r in prof.ops] == forward_ops(net.main)
-    assert [r.name for r in prof.layers] == ["fc_0", "fc_1", "fc_2", "fc_3", "fc_4"]
+    owners = parameter_owners(net.main)
+    assert [r.name for r in prof.layers] == owners and len(owners) == 5
     mul = prof.op(0)
     assert mul.type == "mul" and mul.flops == 2 * 16 * 64 * 256
     assert mul.param_bytes == 64 * 256 * 4 and mul.activation_bytes == 16 * 256 * 4
     assert all(r.forward_s > 0 for r in prof.ops)
     assert all(r.backward_s > 0 for r in prof.ops if r.type in ("mul", "elementwise_add", "relu"))
     assert prof.layers[1].param_bytes == (256 * 256 + 256) * 4
-    assert "relu" in prof.notes[0] and "fc_3" in str(prof)
+    assert "relu" in prof.notes[0] and owners[3] in str(prof)
     prof.to_csv(tmp_path / "ops.csv")
     prof.to_csv(tmp_path / "layers.csv", level="layers")
     prof.to_json(tmp_path / "profile.json")
@@ -202,12 +203,14 @@ def test_every_op_placed_exactly_once(policy, gpt_profile):
 
 def test_split_points_by_variable_name():
     net = build_mlp(num_stages=1, guarded=False, depth=6)
-    cut = net.main.global_block().var("fc_1.tmp_2")  # the second layer's relu output
+    owners = parameter_owners(net.main)
+    cut = net.main.global_block().var(op_vars(net.main, "relu", "Out")[1])  # the second layer's relu output
     placement = staticpipe.auto_place(net.main, policy="uniform", split_points=[cut])
-    assert [s.layers for s in placement.stages] == [("fc_0", "fc_1"), ("fc_2", "fc_3", "fc_4", "fc_5", "fc_6")]
-    assert placement.stages[0].cut_vars == (("fc_1.tmp_2", 256 * 4),)  # per sample: no profile
+    assert [s.layers for s in placement.stages] == [tuple(owners[:2]), tuple(owners[2:])] and len(owners) == 7
+    assert placement.stages[0].cut_vars == ((cut.name, 256 * 4),)  # per sample: no profile
     net = build_mlp(num_stages=1, guarded=False, depth=6)
-    placement = staticpipe.auto_place(net.main, num_stages=3, policy="params", split_points=["fc_1.tmp_2"])
+    placement = staticpipe.auto_place(net.main, num_stages=3, policy="params",
+                                      split_points=[op_vars(net.main, "relu", "Out")[1]])
     assert placement.bounds[:2] == [0, 2] and len(placement.stages) == 3
     with pytest.raises(ValueError, match="split point 'nope' is not a variable of the program"):
         staticpipe.auto_place(build_mlp(num_stages=1, guarded=False).main, 2, split_points=["nope"])
@@ -228,7 +231,8 @@ def test_existing_guards_are_constraints():
     main, _ = _mlp(depth=9, guards={3: "gpu:2"})
     placement = staticpipe.auto_place(main, num_stages=3, policy="uniform")
     ops = main.global_block().ops
-    guarded = [i for i, op in enumerate(ops) if op.input_arg_names and "fc_3.w_0" in op.input_arg_names]
+    weight = dense_layers(main)[3][0]  # layer 3's, under the guard
+    guarded = [i for i, op in enumerate(ops) if op.input_arg_names and weight in op.input_arg_names]
     assert placement.stages[2].ops[0] <= guarded[0]
     assert ops[guarded[0]].attr(OP_DEVICE) == "gpu:2"
     assert _stage_runs(main) == ["gpu:0", "gpu:1", "gpu:2"]

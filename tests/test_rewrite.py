@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import staticpipe
+from pipeline_util import dense_layers, learning_rate_var, op_vars
 from staticpipe._paddle import paddle
 from staticpipe.plan import BACKWARD, FORWARD, INIT, OPTIMIZE, CutVar, SectionRef
 from staticpipe.rewrite import MERGED_SUFFIX, assign_stages, build_plan
@@ -94,7 +95,8 @@ def test_stages_numbered_by_first_forward_use_of_each_device():
         ("momentum", "optimize", None), ("momentum", "optimize", None),
         ("momentum", "optimize", None), ("momentum", "optimize", None),
     ]
-    assert a.param_stage == {"fc_0.w_0": 0, "fc_0.b_0": 0, "fc_1.w_0": 1, "fc_1.b_0": 1}
+    (w0, b0), (w1, b1) = dense_layers(net.main)  # the layer on gpu:1 (stage 0), then the one on gpu:0
+    assert a.param_stage == {w0: 0, b0: 0, w1: 1, b1: 1}
     # each optimizer op sits on the stage of the parameter it updates
     placement = place_optimize_ops(block, a, param_grads(block, a))
     for s, items in placement.ops.items():
@@ -103,9 +105,9 @@ def test_stages_numbered_by_first_forward_use_of_each_device():
 
     plan = build_plan(net.main, net.loss.name, 2)
     assert plan.devices == ["gpu:1", "gpu:0"]
-    assert [s.parameters for s in plan.stages] == [("fc_0.w_0", "fc_0.b_0"), ("fc_1.w_0", "fc_1.b_0")]
+    assert [s.parameters for s in plan.stages] == [(w0, b0), (w1, b1)]
     assert [[op.input("Param") for op in ops(s.sections[OPTIMIZE]) if op.type == "momentum"]
-            for s in plan.stages] == [[["fc_0.b_0"], ["fc_0.w_0"]], [["fc_1.b_0"], ["fc_1.w_0"]]]
+            for s in plan.stages] == [[[b0], [w0]], [[b1], [w1]]]
     assert types(plan.stages[0].sections[BACKWARD]) == [
         "recv_v2", "elementwise_add_grad", "mul_grad", "sum", "sum"]
     assert types(plan.stages[1].sections[BACKWARD]) == [
@@ -113,15 +115,16 @@ def test_stages_numbered_by_first_forward_use_of_each_device():
 
 
 def test_stage_parameters_of_a_three_stage_mlp():
-    plan = build(mlp(MLP3), pipeline=dict(num_microbatches=2)).plan
+    net = build(mlp(MLP3), pipeline=dict(num_microbatches=2))
+    plan, layers = net.plan, dense_layers(net.main)  # layers: (weight, bias) of the 5 fc layers
     assert plan.devices == ["gpu:0", "gpu:1", "gpu:2"]
     assert [s.parameters for s in plan.stages] == [
-        ("fc_0.w_0", "fc_0.b_0", "fc_1.w_0", "fc_1.b_0"),
-        ("fc_2.w_0", "fc_2.b_0"),
-        ("fc_3.w_0", "fc_3.b_0", "fc_4.w_0", "fc_4.b_0"),
+        (*layers[0], *layers[1]),
+        (*layers[2],),
+        (*layers[3], *layers[4]),
     ]
-    assert [plan.stage_of_var(f"fc_{k}.w_0") for k in range(5)] == [[0], [0], [1], [2], [2]]
-    assert plan.stage_of_var("learning_rate_0") == [0, 1, 2]
+    assert [plan.stage_of_var(weight) for weight, _ in layers] == [[0], [0], [1], [2], [2]]
+    assert plan.stage_of_var(learning_rate_var(net.main)) == [0, 1, 2]
 
 
 def test_every_section_op_of_a_guarded_program_carries_its_stage_device():
@@ -264,7 +267,8 @@ def unguarded_reuse_of_stage0_weight():
 def test_unguarded_reuse_of_a_stage_weight_is_not_a_shared_parameter():
     net = build(unguarded_reuse_of_stage0_weight, minimize=False)
     a = assign_stages(net.main)
-    assert a.param_stage == {"w": 0, "fc_0.w_0": 1, "fc_0.b_0": 1}
+    weight, bias = [p.name for p in net.main.all_parameters() if p.name != "w"]  # the fc layer's, in creation order
+    assert a.param_stage == {"w": 0, weight: 1, bias: 1}
 
 
 # ============================================================================= errors
@@ -281,16 +285,18 @@ def backflow():
         return paddle.mean(c)
 
 
-BACKFLOW = ("op #4 'scale' on stage 0 (gpu:0) reads variable 'fc_1.tmp_1' produced on the later stage 1 "
+BACKFLOW = ("op #4 'scale' on stage 0 (gpu:0) reads variable '{cut}' produced on the later stage 1 "
             "(gpu:1) by op #3 'elementwise_add': forward data may only flow to later stages; move the op into "
             "a later device_guard or reorder the guards")
 
 
 def test_forward_data_flowing_back_is_rejected():
-    with pytest.raises(ValueError, match=re.escape(BACKFLOW)):
-        build(backflow, pipeline=dict(num_microbatches=2))
     net = build(backflow, minimize=False)
-    with pytest.raises(ValueError, match=re.escape(BACKFLOW)):
+    # the variable read back: the second fc layer's output (its bias add, op #3, on stage 1)
+    message = BACKFLOW.format(cut=op_vars(net.main, "elementwise_add", "Out")[1])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build(backflow, pipeline=dict(num_microbatches=2))
+    with pytest.raises(ValueError, match=re.escape(message)):
         assign_stages(net.main)
 
 
@@ -338,7 +344,8 @@ def test_fixed_batch_dimension_needs_one_microbatch():
         build_plan(net.main, net.loss.name, 4)
     plan = build_plan(net.main, net.loss.name, 1)
     assert plan.data_specs == {"x": ((8, 4), "float32")}
-    assert plan.routes[0].vars == (CutVar("fc_0.tmp_1", (8, 4), "float32", False),)
+    cut = op_vars(net.main, "elementwise_add", "Out")[0]  # the first fc layer's output
+    assert plan.routes[0].vars == (CutVar(cut, (8, 4), "float32", False),)
 
 
 def test_unknown_schedule_is_rejected():
@@ -390,7 +397,10 @@ def send_summary(op):
 
 @pytest.mark.parametrize("mbs, dim0, mb", [(None, -1, "mb"), (8, 8, "8")])
 def test_two_stage_sections_exchange_cut_vars(mbs, dim0, mb):
-    plan = build(mlp(MLP2), pipeline=dict(num_microbatches=4, micro_batch_size=mbs)).plan
+    net = build(mlp(MLP2), pipeline=dict(num_microbatches=4, micro_batch_size=mbs))
+    plan = net.plan
+    cut = op_vars(net.main, "relu", "Out")[2]  # the third layer's ReLU output, the last on stage 0
+    grad = cut + "@GRAD"
     assert plan.micro_batch_size == mbs
     for st in plan.stages:
         assert list(st.sections) == SECTION_KINDS
@@ -399,16 +409,16 @@ def test_two_stage_sections_exchange_cut_vars(mbs, dim0, mb):
     dynamic = mbs is None
     # activations: stage 0 forward ends by sending, stage 1 forward starts by receiving
     assert types(s0.sections[FORWARD]) == ["mul", "elementwise_add", "relu"] * 3 + ["send_v2"]
-    assert send_summary(ops(s0.sections[FORWARD])[-1]) == ("send_v2", ["fc_2.tmp_2"], 1, dynamic, "gpu:0", 0)
+    assert send_summary(ops(s0.sections[FORWARD])[-1]) == ("send_v2", [cut], 1, dynamic, "gpu:0", 0)
     assert types(s1.sections[FORWARD]) == ["recv_v2", "mul", "elementwise_add", "relu", "mul", "elementwise_add",
                                            "softmax_with_cross_entropy", "reduce_mean"]
     assert recv_summary(ops(s1.sections[FORWARD])[0]) == (
-        "recv_v2", ["fc_2.tmp_2"], 0, [dim0, 256], dynamic, "gpu:1", 0)
+        "recv_v2", [cut], 0, [dim0, 256], dynamic, "gpu:1", 0)
     # gradients of the cut variable go the other way
     assert send_summary(ops(s1.sections[BACKWARD])[-1]) == (
-        "send_v2", ["fc_2.tmp_2@GRAD"], 0, dynamic, "gpu:1", 1)
+        "send_v2", [grad], 0, dynamic, "gpu:1", 1)
     assert recv_summary(ops(s0.sections[BACKWARD])[0]) == (
-        "recv_v2", ["fc_2.tmp_2@GRAD"], 1, [dim0, 256], dynamic, "gpu:0", 1)
+        "recv_v2", [grad], 1, [dim0, 256], dynamic, "gpu:0", 1)
     # no other communication anywhere
     comm = [(st.index, k, t) for st in plan.stages for k, sec in st.sections.items() for t in types(sec)
             if t in ("send_v2", "recv_v2")]
@@ -416,36 +426,37 @@ def test_two_stage_sections_exchange_cut_vars(mbs, dim0, mb):
                     (1, FORWARD, "recv_v2"), (1, BACKWARD, "send_v2")]
     # routes
     assert [(r.index, r.src, r.dst, r.channel, r.vars) for r in plan.routes] == [
-        (0, SectionRef(0, FORWARD), SectionRef(1, FORWARD), "F", (CutVar("fc_2.tmp_2", (-1, 256), "float32", True),)),
+        (0, SectionRef(0, FORWARD), SectionRef(1, FORWARD), "F", (CutVar(cut, (-1, 256), "float32", True),)),
         (1, SectionRef(1, BACKWARD), SectionRef(0, BACKWARD), "B",
-         (CutVar("fc_2.tmp_2@GRAD", (-1, 256), "float32", True),)),
+         (CutVar(grad, (-1, 256), "float32", True),)),
     ]
     assert [(st.sections[FORWARD].send_routes, st.sections[FORWARD].recv_routes,
              st.sections[BACKWARD].send_routes, st.sections[BACKWARD].recv_routes) for st in plan.stages] == [
         ((0,), (), (), (1,)), ((), (0,), (1,), ())]
     assert [r.vars[0].describe(mbs) for r in plan.routes] == [
-        f"fc_2.tmp_2 [{mb}, 256] float32", f"fc_2.tmp_2@GRAD [{mb}, 256] float32"]
+        f"{cut} [{mb}, 256] float32", f"{grad} [{mb}, 256] float32"]
     # the printed sections show the comm ops
     text0, text1 = str(s0.sections[FORWARD]), str(s1.sections[FORWARD])
     assert text0.startswith("# stage 0 forward section\n") and "send_v2" in text0 and "recv_v2" not in text0
     assert text1.startswith("# stage 1 forward section\n") and "recv_v2" in text1 and "send_v2" not in text1
-    assert "{Out=['fc_2.tmp_2']} = recv_v2(" in text1
+    assert f"{{Out=['{cut}']}} = recv_v2(" in text1
     lines = str(plan).splitlines()
-    assert f"    fc_2.tmp_2 [{mb}, 256] float32".ljust(48) + " stage 0 forward -> stage 1 forward" in lines
-    assert f"    fc_2.tmp_2@GRAD [{mb}, 256] float32".ljust(48) + " stage 1 backward -> stage 0 backward" in lines
+    assert f"    {cut} [{mb}, 256] float32".ljust(48) + " stage 0 forward -> stage 1 forward" in lines
+    assert f"    {grad} [{mb}, 256] float32".ljust(48) + " stage 1 backward -> stage 0 backward" in lines
 
 
+# str.format fields: the loss, each stage's parameters and the cut variable's and its gradient's description
 PLAN2_TEXT = """\
-Plan: 2 stages, 4 micro-batches, schedule F-then-B, loss mean_0.tmp_0
+Plan: 2 stages, 4 micro-batches, schedule F-then-B, loss {loss}
   stage 0 on gpu:0: forward 9 ops, backward 15 ops, optimize 12 ops
-    parameters: fc_0.w_0, fc_0.b_0, fc_1.w_0, fc_1.b_0, fc_2.w_0, fc_2.b_0
+    parameters: {params0}
     data fed here: features
   stage 1 on gpu:1: forward 7 ops, backward 12 ops, optimize 8 ops
-    parameters: fc_3.w_0, fc_3.b_0, fc_4.w_0, fc_4.b_0
+    parameters: {params1}
     data fed here: label
   cut variables:
-    fc_2.tmp_2 [mb, 256] float32                 stage 0 forward -> stage 1 forward
-    fc_2.tmp_2@GRAD [mb, 256] float32            stage 1 backward -> stage 0 backward
+    {forward:<44} stage 0 forward -> stage 1 forward
+    {backward:<44} stage 1 backward -> stage 0 backward
   actions (F-then-B):
     rank 0 (gpu:0): 0F0 0SEND_F0>1 0F1 0SEND_F1>1 0F2 0SEND_F2>1 0F3 0SEND_F3>1 0RECV_B0<1 0B0 0RECV_B1<1 0B1 \
 0RECV_B2<1 0B2 0RECV_B3<1 0B3 0OPT
@@ -455,20 +466,27 @@ Plan: 2 stages, 4 micro-batches, schedule F-then-B, loss mean_0.tmp_0
 
 def test_printed_plan_exact():
     net = build(mlp(MLP2), pipeline=dict(num_microbatches=4, schedule="FThenB"))
-    assert str(net.plan) == PLAN2_TEXT
+    layers = dense_layers(net.main)  # (weight, bias) of the 5 fc layers
+    cut = op_vars(net.main, "relu", "Out")[2]  # the third layer's ReLU output, the last on stage 0
+    text = PLAN2_TEXT.format(loss=net.loss.name,
+                             params0=", ".join(name for layer in layers[:3] for name in layer),
+                             params1=", ".join(name for layer in layers[3:] for name in layer),
+                             forward=f"{cut} [mb, 256] float32", backward=f"{cut}@GRAD [mb, 256] float32")
+    assert str(net.plan) == text
     assert staticpipe.plan_of(net.main) is net.opt.plan
 
 
 def test_printed_plan_with_micro_batch_size():
-    text = str(build(mlp(MLP3), pipeline=dict(num_microbatches=2, micro_batch_size=8)).plan)
-    lines = text.splitlines()
-    assert lines[0] == "Plan: 3 stages, 2 micro-batches of 8, schedule 1F1B, loss mean_0.tmp_0"
+    net = build(mlp(MLP3), pipeline=dict(num_microbatches=2, micro_batch_size=8))
+    lines = str(net.plan).splitlines()
+    assert lines[0] == f"Plan: 3 stages, 2 micro-batches of 8, schedule 1F1B, loss {net.loss.name}"
+    relu = op_vars(net.main, "relu", "Out")  # relu[1] leaves stage 0, relu[2] stage 1
     start = lines.index("  cut variables:")
     assert lines[start + 1:start + 6] == [
-        "    fc_1.tmp_2 [8, 256] float32                  stage 0 forward -> stage 1 forward",
-        "    fc_2.tmp_2 [8, 256] float32                  stage 1 forward -> stage 2 forward",
-        "    fc_2.tmp_2@GRAD [8, 256] float32             stage 2 backward -> stage 1 backward",
-        "    fc_1.tmp_2@GRAD [8, 256] float32             stage 1 backward -> stage 0 backward",
+        f"    {relu[1] + ' [8, 256] float32':<44} stage 0 forward -> stage 1 forward",
+        f"    {relu[2] + ' [8, 256] float32':<44} stage 1 forward -> stage 2 forward",
+        f"    {relu[2] + '@GRAD [8, 256] float32':<44} stage 2 backward -> stage 1 backward",
+        f"    {relu[1] + '@GRAD [8, 256] float32':<44} stage 1 backward -> stage 0 backward",
         "  actions (1F1B):",
     ]
 
@@ -476,12 +494,14 @@ def test_printed_plan_with_micro_batch_size():
 # ============================================================================= data variables
 
 def test_label_is_fed_to_the_last_stage_only():
-    plan = build(mlp(MLP3), pipeline=dict(num_microbatches=2)).plan
+    net = build(mlp(MLP3), pipeline=dict(num_microbatches=2))
+    plan = net.plan
     assert plan.data_vars == {"features": (0,), "label": (2,)}
     assert plan.data_specs == {"features": ((-1, 64), "float32"), "label": ((-1, 1), "int64")}
     assert [st.sections[FORWARD].feeds for st in plan.stages] == [("features",), (), ("label",)]
     carried = [v.name for r in plan.routes for v in r.vars]
-    assert carried == ["fc_1.tmp_2", "fc_2.tmp_2", "fc_2.tmp_2@GRAD", "fc_1.tmp_2@GRAD"]
+    relu = op_vars(net.main, "relu", "Out")  # relu[1] leaves stage 0, relu[2] stage 1
+    assert carried == [relu[1], relu[2], relu[2] + "@GRAD", relu[1] + "@GRAD"]
     assert [line for line in str(plan).splitlines() if "data fed here" in line] == [
         "    data fed here: features", "    data fed here: -", "    data fed here: label"]
 
@@ -499,14 +519,17 @@ def data_on_stages_0_and_2():
 
 
 def test_data_read_on_two_stages_is_fed_to_both_not_relayed():
-    plan = build(data_on_stages_0_and_2, pipeline=dict(num_microbatches=4)).plan
+    net = build(data_on_stages_0_and_2, pipeline=dict(num_microbatches=4))
+    plan = net.plan
+    a = op_vars(net.main, "elementwise_add", "Out")[0]  # the first fc layer's output (stage 0)
+    b = op_vars(net.main, "relu", "Out")[0]  # the second's, after its ReLU (stage 1)
     assert plan.data_vars == {"x": (0, 2), "y": (2,)}
     assert [st.sections[FORWARD].feeds for st in plan.stages] == [("x",), (), ("x", "y")]
     assert [(r.src, r.dst, [v.name for v in r.vars]) for r in plan.routes] == [
-        (SectionRef(0, FORWARD), SectionRef(1, FORWARD), ["fc_0.tmp_1"]),
-        (SectionRef(1, FORWARD), SectionRef(2, FORWARD), ["fc_1.tmp_2"]),
-        (SectionRef(2, BACKWARD), SectionRef(1, BACKWARD), ["fc_1.tmp_2@GRAD"]),
-        (SectionRef(1, BACKWARD), SectionRef(0, BACKWARD), ["fc_0.tmp_1@GRAD"]),
+        (SectionRef(0, FORWARD), SectionRef(1, FORWARD), [a]),
+        (SectionRef(1, FORWARD), SectionRef(2, FORWARD), [b]),
+        (SectionRef(2, BACKWARD), SectionRef(1, BACKWARD), [b + "@GRAD"]),
+        (SectionRef(1, BACKWARD), SectionRef(0, BACKWARD), [a + "@GRAD"]),
     ]
     # stage 1 never sees x
     for sec in plan.stages[1].sections.values():
@@ -526,35 +549,41 @@ def skip_activation():
 
 
 def test_skip_activation_gets_its_own_route_and_lowering():
-    plan = build(skip_activation, pipeline=dict(num_microbatches=2)).plan
+    net = build(skip_activation, pipeline=dict(num_microbatches=2))
+    plan = net.plan
+    a = op_vars(net.main, "elementwise_add", "Out")[0]  # the first fc layer's output (stage 0), skipping stage 1
+    b = op_vars(net.main, "relu", "Out")[0]  # the second's, after its ReLU (stage 1)
     assert [(r.index, str(r.src), str(r.dst), [v.name for v in r.vars]) for r in plan.routes] == [
-        (0, "stage 0 forward", "stage 1 forward", ["fc_0.tmp_1"]),
-        (1, "stage 0 forward", "stage 2 forward", ["fc_0.tmp_1"]),
-        (2, "stage 1 forward", "stage 2 forward", ["fc_1.tmp_2"]),
-        (3, "stage 2 backward", "stage 1 backward", ["fc_1.tmp_2@GRAD", "fc_0.tmp_1@GRAD@RENAME@block0@0"]),
-        (4, "stage 1 backward", "stage 0 backward", ["fc_0.tmp_1@GRAD"]),
+        (0, "stage 0 forward", "stage 1 forward", [a]),
+        (1, "stage 0 forward", "stage 2 forward", [a]),
+        (2, "stage 1 forward", "stage 2 forward", [b]),
+        (3, "stage 2 backward", "stage 1 backward", [b + "@GRAD", a + "@GRAD@RENAME@block0@0"]),
+        (4, "stage 1 backward", "stage 0 backward", [a + "@GRAD"]),
     ]
     assert " ".join(map(str, plan.actions[2])) == (
         "2RECV_F0<0 2RECV_F0<1 2F0 2B0 2SEND_B0>1 2RECV_F1<0 2RECV_F1<1 2F1 2B1 2SEND_B1>1 2OPT")
-    assert [op.output("Out") for op in ops(plan.stages[2].sections[FORWARD])[:2]] == [["fc_0.tmp_1"], ["fc_1.tmp_2"]]
+    assert [op.output("Out") for op in ops(plan.stages[2].sections[FORWARD])[:2]] == [[a], [b]]
 
 
 # ============================================================================= gradient accumulation
 
 @pytest.mark.parametrize("m, value", [(4, 0.25), (1, 1.0), (2, 0.5), (8, 0.125)])
 def test_loss_gradient_is_scaled_by_one_over_m(m, value):
-    plan = build(mlp(MLP2), pipeline=dict(num_microbatches=m)).plan
+    net = build(mlp(MLP2), pipeline=dict(num_microbatches=m))
+    plan, loss_grad = net.plan, net.loss.name + "@GRAD"
     fills = [op for st in plan.stages for op in ops(st.sections[BACKWARD])
              if op.type == "fill_constant" and op.attr("op_role") == 257]
-    assert [(op.output("Out"), op.attr("value")) for op in fills] == [(["mean_0.tmp_0@GRAD"], value)]
+    assert [(op.output("Out"), op.attr("value")) for op in fills] == [([loss_grad], value)]
     first = ops(plan.stages[1].sections[BACKWARD])[0]  # the last stage's backward starts with it
-    assert (first.type, first.output("Out"), first.attr("value")) == ("fill_constant", ["mean_0.tmp_0@GRAD"], value)
+    assert (first.type, first.output("Out"), first.attr("value")) == ("fill_constant", [loss_grad], value)
 
 
 def test_gradients_merge_into_buffers_that_the_optimizer_reads():
-    plan = build(mlp(MLP2), pipeline=dict(num_microbatches=4)).plan
-    expected = [["fc_0.b_0", "fc_0.w_0", "fc_1.b_0", "fc_1.w_0", "fc_2.b_0", "fc_2.w_0"],
-                ["fc_3.b_0", "fc_3.w_0", "fc_4.b_0", "fc_4.w_0"]]
+    net = build(mlp(MLP2), pipeline=dict(num_microbatches=4))
+    plan, layers = net.plan, dense_layers(net.main)  # (weight, bias) of the 5 fc layers
+    # each stage's parameters, bias before weight layer by layer (the order Paddle's optimizer updates them in)
+    expected = [[name for weight, bias in layers[:3] for name in (bias, weight)],
+                [name for weight, bias in layers[3:] for name in (bias, weight)]]
     for st, params in zip(plan.stages, expected):
         # one buffer per parameter of the stage; the order is the rewrite's, the ops below follow it
         assert sorted(st.grad_buffers) == [p + "@GRAD" + MERGED_SUFFIX for p in params]
@@ -706,8 +735,10 @@ def test_per_parameter_gradient_clipping_is_planned(clip, op_type):
     # clipped name from the last op_role_var pair, so the raw @GRAD was never merged and the clip rejected)
     net = build(guarded_two_stages, optimizer=lambda: paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=clip()))
     plan = build_plan(net.main, net.loss.name, 2)
+    layers = dense_layers(net.main)  # (weight, bias) of each stage's fc layer
     for st in plan.stages:
-        params = [f"fc_{st.index}.b_0", f"fc_{st.index}.w_0"]
+        weight, bias = layers[st.index]
+        params = [bias, weight]
         assert sorted(st.grad_buffers) == [p + "@GRAD@MERGED" for p in params]
         opt = ops(st.sections[OPTIMIZE])
         clips = [op for op in opt if op.type == op_type]

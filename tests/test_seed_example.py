@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import staticpipe
+from pipeline_util import dense_layers
 from staticpipe._paddle import paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,7 +75,7 @@ def test_guards_put_the_stem_and_two_levels_on_gpu0_and_the_rest_and_the_loss_on
     stage0, stage1 = (set(s.parameters) for s in plan.stages)
     assert set(filters[:on_gpu0]) <= stage0 and not set(filters[:on_gpu0]) & stage1
     assert set(filters[on_gpu0:]) <= stage1 and not set(filters[on_gpu0:]) & stage0
-    fc = [p.name for p in main.all_parameters() if p.name.startswith("fc_")]
+    fc = [name for layer in dense_layers(main) for name in layer]  # the classifier's weight and bias
     assert fc and set(fc) <= stage1
     assert stage0 | stage1 == {p.name for p in main.all_parameters()}
 
