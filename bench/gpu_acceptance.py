@@ -31,6 +31,8 @@ failed:
   e. the launched 2-process path (``python -m staticpipe.launch --nprocs 2``): NCCL when there are 2+ GPUs
      (a cut tensor of 64 MiB at full size), the merged state of both ranks against the same job in one
      process; "skipped: 1 GPU" otherwise. With ``--cpu`` it runs on gloo.
+  f. AMP across the stages: a 2-stage MLP in fp32, fp16 O1 and bf16 O1, samples/s and kept activations per
+     stage side by side, and every stage's copy of the fp16 loss scale equal.
 
 Each check runs in its own process (``--in-process`` runs them here), under a time limit (``--timeout``),
 so a crash or a hang (an NCCL deadlock) is reported in its row and the other checks still run.
@@ -413,6 +415,61 @@ def check_memory(ctx: Context):
     return ctx.describe(plan.devices), text, PASS if ok else FAIL
 
 
+def check_amp(ctx: Context):
+    """f. AMP across the stages: the same 2-stage MLP in fp32, fp16 O1 (dynamic loss scaling) and bf16 O1,
+    samples/s and peak memory side by side; every stage's copy of the fp16 loss scale must agree. On GPU
+    ``paddle.static.amp.decorate`` casts the white-list ops; on CPU (a dry run) bf16 is ``decorate_bf16``
+    and fp16 casts nothing (Paddle has no CPU fp16 kernels), so only the loss scaling is exercised."""
+    import numpy as np
+    import paddle
+    import staticpipe
+    from models import build_mlp
+
+    size = dict(in_dim=256, hidden=512, depth=4) if ctx.small else dict(in_dim=1024, hidden=4096, depth=8)
+    batch, m, steps = (64, 4, 2) if ctx.small else (1024, 8, 5)
+    parts, ok, base, devices = [], True, None, []
+    for precision in ("fp32", "fp16", "bf16"):
+        net = build_mlp(num_stages=2, **size)
+        opt = paddle.optimizer.Momentum(0.01, momentum=0.9)
+        if precision == "fp16":
+            opt = paddle.static.amp.decorate(opt, init_loss_scaling=2.0 ** 15)
+        elif precision == "bf16":
+            opt = (paddle.static.amp.decorate(opt, dtype="bfloat16") if ctx.gpus
+                   else paddle.static.amp.bf16.decorate_bf16(opt))
+        with paddle.static.program_guard(net.main, net.startup), paddle.utils.unique_name.guard():
+            staticpipe.PipelineOptimizer(opt, num_microbatches=m).minimize(net.loss)
+        plan = staticpipe.plan_of(net.main)
+        devices = plan.devices
+        exe = staticpipe.Executor(ctx.place(), device_map=ctx.device_map(plan.devices))
+        data = net.random_batch(batch)
+        try:
+            exe.run(net.startup)
+            exe.run(net.main, feed=data)
+            took, losses = _timed(lambda: exe.run(net.main, feed=data, fetch_list=[net.loss]), 0, steps)
+            kept = [s["peak_activation_bytes"] / MiB for _, s in sorted(exe.memory_stats().items())]
+            if precision == "fp16":
+                scale = next(op.input("PrevLossScaling")[0] for op in net.main.global_block().ops
+                             if op.type == "update_loss_scaling")
+                copies = {s: float(np.array(exe._devices.worker(plan.stages[s].device).scope.find_var(scale)
+                                            .get_tensor()).item()) for s in plan.stage_of_var(scale)}
+                ok = ok and len(copies) == len(plan.stages) and len(set(copies.values())) == 1
+                parts.append(f"fp16 loss scale per stage {copies}")
+        finally:
+            exe.close()
+        finite = all(np.isfinite(np.mean(loss)) for (loss,) in losses)
+        ok = ok and finite
+        rate = batch * steps / took
+        base = base or rate
+        cut = next(v for r in plan.routes if r.src.stage == 0 and r.src.kind == "forward" for v in r.vars)
+        parts.append(f"{precision} {rate:.0f} samples/s ({rate / base:.2f}x), cut {cut.describe()}, kept "
+                     f"activations per stage {', '.join(f'{k:.1f}' for k in kept)} MiB"
+                     + ("" if finite else " NON-FINITE LOSS"))
+    if ctx.gpus:
+        parts.append(f"GPU peaks (all three runs) "
+                     f"{[round(paddle.device.cuda.max_memory_allocated(k) / MiB) for k in range(ctx.gpus)]} MiB")
+    return ctx.describe(devices), "; ".join(parts), PASS if ok else FAIL
+
+
 # --------------------------------------------------------------------------------------- 2 processes
 
 LAUNCH_SCRIPT = textwrap.dedent("""
@@ -511,6 +568,7 @@ CHECKS: dict[str, tuple[str, Callable, bool]] = {  # key -> (row title, function
     "c-seed": ("c. seed ResNet-50: 2 stages vs 1 GPU", check_seed, False),
     "d-memory": ("d. peak memory per stage", check_memory, False),
     "e-launch": ("e. 2-process launch (NCCL)", check_launch, True),
+    "f-amp": ("f. AMP fp16/bf16 across stages", check_amp, False),
 }
 
 

@@ -6,10 +6,14 @@ training would, so the main program stays a valid single-device program (the ref
 """
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import replace
 from typing import Any
 
-from ._paddle import OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, framework, paddle
+from . import placement
+from ._paddle import OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, framework, paddle
+from .placement import split_points_kept
 from .plan import Plan, attach_plan, plan_of
 from .rewrite import PlanOptions, check_layout, plan_with
 from .schedule.simulate import StageCosts
@@ -57,6 +61,26 @@ class PipelineOptimizer:
     schedule_costs = _option("schedule_costs")
     del _option
 
+    def amp_init(self, place: Any = None, scope: Any = None, test_program: Any = None, **kwargs: Any) -> None:
+        """Paddle's ``amp_init``, which a pure-fp16/bf16 script calls after the startup program to cast the
+        float32 parameters to the low precision the program declares. staticpipe's ``Executor.run(startup)``
+        already stores every stage's parameters in the dtype its stage declares, so this only checks that
+        it may be called; a ``test_program`` to cast is not supported yet (an error, not ignored)."""
+        if self.plan is None:
+            raise ValueError("amp_init before minimize: call minimize(loss) first, then run the startup program")
+        if not hasattr(self.inner, "amp_init"):
+            raise ValueError(f"amp_init: the wrapped optimizer ({type(self.inner).__name__}) is not AMP-decorated")
+        if test_program is not None:
+            raise ValueError("amp_init(test_program=...): casting an evaluation program to low precision is not "
+                             "supported by staticpipe yet; evaluate with the float32 test program")
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for names the class lacks: Paddle's AMP decorators read optimizer internals (``type``,
+        ``_learning_rate``) when they are wrapped around this optimizer, the wrong way round."""
+        raise AttributeError(f"'PipelineOptimizer' object has no attribute {name!r}; to train with AMP, wrap the "
+                             "AMP-decorated optimizer in it instead: "
+                             "PipelineOptimizer(paddle.static.amp.decorate(optimizer), ...)")
+
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
                  parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:
         program = loss.block.program
@@ -69,10 +93,11 @@ class PipelineOptimizer:
                              "before, and a pipeline's minimize would add a second backward; build the program "
                              "again to minimize it anew")
         check_layout(program, self.options)  # what can fail on the forward program fails before it changes
+        _check_amp(self.inner)
         startup = startup_program or paddle.static.default_startup_program()
         updates = _update_ops(program)
-        result = self.inner.minimize(loss, startup_program=startup, parameters=parameters,
-                                     no_grad_set=no_grad_set)
+        with split_points_kept(program):  # AMP inserts casts into the forward ops
+            result = _inner_minimize(self.inner, loss, startup_program, parameters, no_grad_set)
         if _update_ops(program) == updates:
             raise ValueError(f"the inner optimizer's minimize ({type(self.inner).__name__}) added no update ops to the "
                              "program: nothing would ever train; wrap a paddle.optimizer.Optimizer")
@@ -89,3 +114,31 @@ def _update_ops(program: framework.Program) -> int:
 
 def _has_role(program: framework.Program, role: int) -> bool:
     return any(op.has_attr(OP_ROLE) and int(op.attr(OP_ROLE)) & role for op in program.global_block().ops)
+
+
+def _inner_minimize(inner: Any, loss: framework.Variable, startup: framework.Program | None, parameters: Any,
+                    no_grad_set: Any) -> Any:
+    """``inner.minimize``: Paddle's optimizers name the parameter list ``parameters``, its static AMP
+    decorators (``paddle.static.amp.decorate``, ``decorate_bf16``) ``parameter_list``. ``startup`` is passed
+    on as the user gave it: given one, pure-bf16 AMP also makes its initialisers bfloat16 (master weights
+    then start rounded); given None, it leaves that to ``amp_init``, as in a single-device script."""
+    accepted = inspect.signature(inner.minimize).parameters
+    name = "parameters" if "parameters" in accepted else "parameter_list"
+    return inner.minimize(loss, startup_program=startup, no_grad_set=no_grad_set, **{name: parameters})
+
+
+def _check_amp(inner: Any) -> None:
+    """Refuse what Paddle's static AMP would silently not do here: ``paddle.static.amp.decorate`` casts only
+    ops the current device has low-precision kernels for, and Paddle 2.6 has none on CPU, so pure fp16/bf16
+    (O2) would train in float32 without a word. fp16/bf16 O1 there keeps its meaning (loss scaling runs,
+    in float32) and is allowed, with a warning; ``decorate_bf16`` casts and runs bfloat16 on CPU."""
+    if type(inner).__module__ != "paddle.static.amp.decorator" or placement.cuda_device_count() > 0:
+        return
+    dtype = "bfloat16" if inner._amp_vartype == core.VarDesc.VarType.BF16 else "float16"
+    if inner._use_pure_fp16:
+        raise ValueError(f"paddle.static.amp.decorate(level='O2', dtype='{dtype}') needs CUDA: on CPU Paddle has no "
+                         f"{dtype} kernels for its white-list ops, casts nothing and would train in float32; use "
+                         "paddle.static.amp.bf16.decorate_bf16 for bfloat16 on CPU")
+    logging.getLogger("staticpipe").warning(
+        "staticpipe: AMP O1 (%s) on CPU: Paddle casts no op to %s here (no CPU kernels); loss scaling runs, "
+        "in float32", dtype, dtype)

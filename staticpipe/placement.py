@@ -84,6 +84,24 @@ def split_point(program: "paddle.static.Program | None" = None) -> None:
     setattr(program, SPLIT_POINTS, points)
 
 
+@contextlib.contextmanager
+def split_points_kept(program: "paddle.static.Program") -> Iterator[None]:
+    """Keep ``program``'s split points where they were while a pass inserts ops into it.
+
+    A split point is an op index, and a pass such as AMP's (casts in front of the ops that read a
+    parameter or an input) shifts the indices after each insertion; the point is kept just after the op
+    it followed, so what the pass inserted there starts the new stage with the op it was inserted for."""
+    points = getattr(program, SPLIT_POINTS, None)
+    if not points:
+        yield
+        return
+    ops = list(program.global_block().ops)
+    anchors = [ops[i - 1] if 0 < i <= len(ops) else i for i in points]  # an index for the ends
+    yield
+    position = {id(op): k for k, op in enumerate(program.global_block().ops)}
+    setattr(program, SPLIT_POINTS, {a if isinstance(a, int) else position[id(a)] + 1 for a in anchors})
+
+
 # --- places -----------------------------------------------------------------------------------------
 _warned = False
 

@@ -53,7 +53,8 @@ class CutVar:
     """A variable produced in one section and read in another stage's section.
 
     ``shape`` is the compiled shape with -1 standing for the micro-batch dimension (dim 0) until the
-    micro-batch size is known; ``dtype`` is a numpy dtype name.
+    micro-batch size is known; ``dtype`` is a numpy dtype name ("uint16" for bfloat16, as in Paddle, whose
+    tensors take and give bfloat16 values as uint16 arrays).
     """
 
     name: str
@@ -69,7 +70,7 @@ class CutVar:
     def describe(self, micro_batch_size: int | None = None) -> str:
         dims = [("mb" if (i == 0 and self.batched and micro_batch_size is None) else str(d))
                 for i, d in enumerate(self.shape_for(micro_batch_size))]
-        return f"{self.name} [{', '.join(dims)}] {self.dtype}"
+        return f"{self.name} [{', '.join(dims)}] {'bfloat16' if self.dtype == 'uint16' else self.dtype}"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "gpu_acceptance.py")
 ROWS = ["a. equivalence: MLP", "a. equivalence: ResNet (batch norm)", "a. equivalence: GPT (tied embedding)",
         "b. heterogeneous cpu+gpu: DLRM", "c. seed ResNet-50: 2 stages vs 1 GPU", "d. peak memory per stage",
-        "e. 2-process launch (NCCL)"]
+        "e. 2-process launch (NCCL)", "f. AMP fp16/bf16 across stages"]
 
 
 def load_bench():
@@ -77,9 +77,12 @@ def test_cpu_dry_run_passes_every_row_of_the_table(tmp_path):
     assert "stage 0 (gpu:0) activations" in by_check[ROWS[5]]["result"]
     assert "stage 1 (gpu:1) activations" in by_check[ROWS[5]]["result"]
     assert "gloo (CPU dry run)" in by_check[ROWS[6]]["result"]
+    amp = by_check[ROWS[7]]["result"]
+    assert all(f"{p} " in amp and "samples/s" in amp for p in ("fp32", "fp16", "bf16"))
+    assert "fp16 loss scale per stage {0: 32768.0, 1: 32768.0}" in amp and "bfloat16" in amp
     assert sorted(os.listdir(tmp_path / "logs")) == sorted(f"{key}.log" for key in
                                                            ("a-mlp", "a-resnet", "a-gpt", "b-dlrm", "c-seed",
-                                                            "d-memory", "e-launch"))
+                                                            "d-memory", "e-launch", "f-amp"))
 
 
 def test_a_failing_check_is_reported_in_its_row_and_the_others_still_run(monkeypatch, capsys):

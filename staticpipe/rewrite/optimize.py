@@ -10,6 +10,11 @@ norms of every stage's gradients. The rule here is data flow:
   stage that needs its result;
 - a ``sum`` reading values of several stages is a *cross-stage reduction*: each stage sums its own
   inputs and an all-reduce (``c_allreduce_sum``) across all stages gives every stage the total;
+- AMP's loss-scaling ops (``check_finite_and_unscale``, ``update_loss_scaling``) read and write every
+  stage's gradients: each stage runs them on its own gradients (a ``StageSlice``), the overflow flag is
+  or-ed over all stages (a cast to float and the same all-reduce), and the loss-scale state, which every
+  stage holds, changes on every stage alike because every stage sees the same flag (on a device holding
+  several stages, one scope, only its first stage's copy updates the state);
 - any other op mixing stages is an error naming it.
 
 Shared parameters (read by several stages' forward) are updated once, on their owner (the first stage):
@@ -37,6 +42,19 @@ class Reduction:
 
 
 @dataclass(frozen=True)
+class StageSlice:
+    """Loss-scaling op ``op`` restricted to one stage's gradients ``grads`` (its ``X`` and ``Out``);
+    ``updates_state``: False where another stage of the same device (scope) updates the loss-scale state."""
+
+    op: int
+    grads: tuple[str, ...]
+    updates_state: bool = True
+
+
+LOSS_SCALING_OPS = ("check_finite_and_unscale", "update_loss_scaling")
+
+
+@dataclass(frozen=True)
 class SharedPartial:
     """Stage ``stage`` holds the partial gradient ``name`` of shared parameter ``param`` (owner: ``owner``)."""
 
@@ -48,7 +66,7 @@ class SharedPartial:
 
 @dataclass
 class OptimizePlacement:
-    ops: dict[int, list[int | Reduction]]  # stage -> ops to copy (index) or reductions, in program order
+    ops: dict[int, list[int | Reduction | StageSlice]]  # stage -> ops to copy (index), reductions, slices
     replicated: dict[int, str]  # op -> why it runs on several stages
 
 
@@ -61,10 +79,14 @@ def place_optimize_ops(block: framework.Block, assignment: StageAssignment,
     home.update({g: assignment.param_stage[param] for param, g in grads.items()})
     placed: dict[int, int] = {}
     reductions: dict[int, dict[int, list[str]]] = {}
+    slices: dict[int, dict[int, list[str]]] = {}  # loss-scaling op -> stage -> its gradients there
     for i in op_ids:
         op = block.ops[i]
         dev = op_device(op)
-        if dev is not None and assignment.devices.count(dev) == 1:  # a device of several chunks names none
+        if op.type in LOSS_SCALING_OPS:
+            where = GLOBAL
+            slices[i] = {s: [n for n in op.input("X") if home.get(n) == s] for s in range(p)}
+        elif dev is not None and assignment.devices.count(dev) == 1:  # a device of several chunks names none
             where = assignment.devices.index(dev)
         else:
             stages = sorted({home[n] for n in op.input_arg_names if home.get(n, GLOBAL) != GLOBAL})
@@ -89,10 +111,11 @@ def place_optimize_ops(block: framework.Block, assignment: StageAssignment,
 
     # global ops run where their results are needed (persistable state: everywhere); reductions everywhere
     needed: list[set[str]] = [set() for _ in range(p)]
+    first_on_device = [assignment.devices.index(d) == s for s, d in enumerate(assignment.devices)]
     run_on: dict[int, list[int]] = {}
     for i in reversed(op_ids):
         op = block.ops[i]
-        if i in reductions or (placed[i] == GLOBAL and any(
+        if i in reductions or i in slices or (placed[i] == GLOBAL and any(
                 block._var_recursive(n).persistable for n in op.output_arg_names)):
             targets = list(range(p))
         elif placed[i] == GLOBAL:
@@ -100,19 +123,35 @@ def place_optimize_ops(block: framework.Block, assignment: StageAssignment,
         else:
             targets = [placed[i]]
         run_on[i] = targets
+        state = [n for n in op.output_arg_names if block._var_recursive(n).persistable]
+        if placed[i] == GLOBAL and i not in slices and state and not all(first_on_device):
+            devices = assignment.devices
+            shared = next(d for d in devices if devices.count(d) > 1)
+            raise ValueError(f"optimizer {op_label(i, op)} updates '{state[0]}', which every stage holds; {shared} holds "
+                             f"stages {[k for k, d in enumerate(devices) if d == shared]} in one scope, where it would "
+                             "run once per stage: staticpipe cannot place such an op with several stages on a device")
         for s in targets:
-            needed[s].update(reductions[i][s] if i in reductions else op.input_arg_names)
+            if i in slices:
+                needed[s].update(n for n in op.input_arg_names if n not in op.input("X") or n in slices[i][s])
+            else:
+                needed[s].update(reductions[i][s] if i in reductions else op.input_arg_names)
 
-    ops: dict[int, list[int | Reduction]] = {s: [] for s in range(p)}
+    ops: dict[int, list[int | Reduction | StageSlice]] = {s: [] for s in range(p)}
     replicated: dict[int, str] = {}
     for i in op_ids:
         for s in run_on[i]:
             if i in reductions:
                 ops[s].append(Reduction(i, block.ops[i].output("Out")[0], tuple(reductions[i][s])))
+            elif i in slices:
+                ops[s].append(StageSlice(i, tuple(slices[i][s]), first_on_device[s]))
             else:
                 ops[s].append(i)
         if i in reductions:
             replicated[i] = "cross-stage sum: per-stage partial sums and an all-reduce"
+        elif i in slices:
+            replicated[i] = ("loss scaling: each stage's own gradients"
+                             + (", the overflow flag or-ed over the stages" if block.ops[i].type == LOSS_SCALING_OPS[0]
+                                else ", the same loss-scale update on every stage"))
         elif placed[i] == GLOBAL:
             replicated[i] = f"stage-free value needed on stages {run_on[i]}"
     return OptimizePlacement(ops, replicated)

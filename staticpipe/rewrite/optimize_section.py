@@ -16,20 +16,21 @@ from __future__ import annotations
 
 from .._paddle import ROLE_OPTIMIZE, core, framework, paddle
 from ..plan import INIT, OPTIMIZE, SEND, SUM, CutVar, Exchange, Section
-from .optimize import Reduction, SharedPartial
+from .optimize import LOSS_SCALING_OPS, Reduction, SharedPartial, StageSlice
 from ..ir import ALLREDUCE_SUM, np_dtype
 from .programs import (MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var,
-                       declare_merged, declare_var, section_runs, zero_fill)
+                       declare_merged, declare_var, merged_dtype, section_runs, zero_fill)
 from .stages import StageAssignment
 
 PARTIAL_SUFFIX = "@STAGE_PARTIAL"
+SUM_SUFFIX = "@STAGE_SUM"
 
 
 class Exchanges:
     """Every exchange of a plan, in a fixed order, found by what it carries."""
 
     def __init__(self, block: framework.Block, partials: list[SharedPartial], reductions: list[Reduction],
-                 assignment: StageAssignment):
+                 assignment: StageAssignment, overflow_checks: list[int] = ()):
         self.records: list[Exchange] = []
         self.partial: dict[tuple[str, int], Exchange] = {}  # (partial gradient, its stage) -> exchange
         self.reduction: dict[int, Exchange] = {}  # op index of a cross-stage sum -> exchange
@@ -38,13 +39,17 @@ class Exchanges:
             # received under a name of its own: on a device holding both stages, the sender's buffer
             # lives in the same scope and must not be replaced by the received copy
             self.partial[(sp.name, sp.stage)] = self._add(
-                SEND, cut_var(block, sp.name, sp.name + MERGED_SUFFIX), f"{sp.name}{MERGED_SUFFIX}@FROM_STAGE_{sp.stage}",
+                SEND, cut_var(block, sp.name, sp.name + MERGED_SUFFIX, merged=True), f"{sp.name}{MERGED_SUFFIX}@FROM_STAGE_{sp.stage}",
                 f"partial gradient of shared parameter {sp.param}", sp.stage, sp.owner)
         for red in reductions:
             out = block._var_recursive(red.output)
             part = CutVar(red.output + PARTIAL_SUFFIX, tuple(int(d) for d in out.shape), np_dtype(out), False)
             self.reduction[red.op] = self._add(SUM, part, red.output, f"cross-stage sum of op #{red.op} "
                                                f"'{block.ops[red.op].type}'")
+        for i in overflow_checks:  # a flag summed as float32 (what every all-reduce takes), nonzero: overflow
+            flag = block.ops[i].output("FoundInfinite")[0]
+            self.reduction[i] = self._add(SUM, CutVar(flag + PARTIAL_SUFFIX, (1,), "float32", False), flag + SUM_SUFFIX,
+                                          f"overflow flag of op #{i} '{block.ops[i].type}', or-ed over the stages")
         for param, readers in sorted(assignment.shared.items()):
             owner = assignment.param_stage[param]
             for peer in readers:
@@ -79,13 +84,19 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
         ex = exchanges.partial[(sp.name, sp.stage)]
         if sp.owner == stage:  # add the other stages' partial sums into the owner's buffer
             name, g = ex.recv_as[0], block._var_recursive(sp.name)
-            dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=False, stop_gradient=True)
-            comm("recv_v2", ex, cut_var(block, sp.name, name), sp.stage)
+            dst.create_var(name=name, shape=g.shape, dtype=merged_dtype(g), persistable=False, stop_gradient=True)
+            comm("recv_v2", ex, cut_var(block, sp.name, name, merged=True), sp.stage)
             target = grads[sp.param] + MERGED_SUFFIX
             append_tagged_op(dst, "elementwise_add", device, ROLE_OPTIMIZE, inputs={"X": [target], "Y": [name]},
                              outputs={"Out": [target]}, attrs={"axis": -1})
         elif sp.stage == stage:
             comm("send_v2", ex, ex.vars[0], sp.owner)
+
+    for g in [g for g, merged in owned.items() if dst.var(merged).dtype != block._var_recursive(g).dtype]:
+        declare_var(dst, block._var_recursive(g))  # the update reads the gradient in its own dtype, once
+        append_tagged_op(dst, "cast", device, ROLE_OPTIMIZE, inputs={"X": [owned[g]]}, outputs={"Out": [g]},
+                         attrs={"in_dtype": dst.var(owned[g]).dtype, "out_dtype": dst.var(g).dtype})
+        del owned[g]
 
     def read_merged(i: int, desc: core.OpDesc) -> None:
         for g, merged in owned.items():
@@ -96,6 +107,11 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
         if isinstance(item, Reduction):
             comm_ops.append(_append_reduction(dst, block, item, device, owned))
             taken.append(exchanges.reduction[item.op].index)
+        elif isinstance(item, StageSlice):
+            comm_op = _append_stage_slice(dst, block, item, device, owned)
+            if comm_op is not None:
+                comm_ops.append(comm_op)
+                taken.append(exchanges.reduction[item.op].index)
         else:
             copy_ops(dst, block, [item], edit=read_merged)
     for g in merge:
@@ -112,7 +128,7 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
             declare_var(dst, block._var_recursive(param))
             comm("recv_v2", ex, ex.vars[0], owner)
     return Section(stage, OPTIMIZE, prog, exchanges=tuple(taken),
-                   source_ops=tuple(item.op if isinstance(item, Reduction) else item for item in ops),
+                   source_ops=tuple(item if isinstance(item, int) else item.op for item in ops),
                    comm_ops=tuple(comm_ops), runs=section_runs(prog, OPTIMIZE, comm_ops=tuple(comm_ops)))
 
 
@@ -135,6 +151,46 @@ def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction
     op_type, attrs, x, out = ALLREDUCE_SUM
     return append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [partial]}, outputs={out: [red.output]},
                             attrs=attrs)
+
+
+def _append_stage_slice(dst: framework.Block, src: framework.Block, item: StageSlice, device: str,
+                        owned: dict[str, str]) -> int | None:
+    """This stage's copy of a loss-scaling op, on its own gradients. ``check_finite_and_unscale``: its flag,
+    cast to float32, all-reduced over the stages and cast back (nonzero: some stage overflowed), so every
+    stage reads the same flag; returns the all-reduce op's index. ``update_loss_scaling`` where another stage
+    of this scope updates the state: ``stop_update`` (it still zeroes the gradients after an overflow)."""
+    op = src.ops[item.op]
+    grads = [owned.get(n, n) for n in item.grads]
+    flag = op.output("FoundInfinite")[0] if op.type == LOSS_SCALING_OPS[0] else None
+
+    def edit(i: int, desc: core.OpDesc) -> None:
+        desc.set_input("X", grads)
+        desc.set_output("Out", grads)
+        if flag is not None:
+            desc.set_output("FoundInfinite", [flag + "@LOCAL"])
+        elif not item.updates_state:
+            desc.set_input("StopUpdate", [])
+            desc._set_attr("stop_update", True)
+
+    if flag is not None:
+        declare_var(dst, src._var_recursive(flag))
+        dst.create_var(name=flag + "@LOCAL", shape=[1], dtype=core.VarDesc.VarType.BOOL, persistable=False)
+        for name in (flag + PARTIAL_SUFFIX, flag + SUM_SUFFIX):
+            dst.create_var(name=name, shape=[1], dtype=core.VarDesc.VarType.FP32, persistable=False)
+    copy_ops(dst, src, [item.op], edit=edit)
+    if flag is None:
+        return None
+    _cast(dst, flag + "@LOCAL", flag + PARTIAL_SUFFIX, core.VarDesc.VarType.FP32, device)
+    op_type, attrs, x, out = ALLREDUCE_SUM
+    index = append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [flag + PARTIAL_SUFFIX]},
+                             outputs={out: [flag + SUM_SUFFIX]}, attrs=attrs)
+    _cast(dst, flag + SUM_SUFFIX, flag, core.VarDesc.VarType.BOOL, device)
+    return index
+
+
+def _cast(dst: framework.Block, x: str, out: str, dtype: int, device: str) -> None:
+    append_tagged_op(dst, "cast", device, ROLE_OPTIMIZE, inputs={"X": [x]}, outputs={"Out": [out]},
+                     attrs={"in_dtype": dst.var(x).dtype, "out_dtype": dtype})
 
 
 def init_section(block: framework.Block, stage: int, device: str, merge: dict[str, str]) -> Section:

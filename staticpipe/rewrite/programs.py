@@ -13,6 +13,7 @@ from ..ir import EMPTY_VAR, arg_names, clear_device_tags, np_dtype
 from ..plan import COLLECTIVE_OP_TYPES, OPTIMIZE, CutVar, Run
 
 MERGED_SUFFIX = "@MERGED"  # a gradient accumulated over the micro-batches of a step
+LOW_PRECISION = (core.VarDesc.VarType.FP16, core.VarDesc.VarType.BF16)
 
 
 def declare_var(dst: framework.Block, src: framework.Variable, persistable: bool | None = None) -> None:
@@ -76,14 +77,21 @@ def append_comm_op(block: framework.Block, op_type: str, var: CutVar, peer: int,
     return append_tagged_op(block, op_type, device, role, inputs={"X": [var.name]}, attrs=attrs)
 
 
-def cut_var(block: framework.Block, name: str, as_name: str | None = None) -> CutVar:
-    """The cut variable for ``name`` (travelling under ``as_name`` if given)."""
+def cut_var(block: framework.Block, name: str, as_name: str | None = None, merged: bool = False) -> CutVar:
+    """The cut variable for ``name`` (travelling under ``as_name`` if given; ``merged``: its accumulator)."""
     var = block._var_recursive(name)
     if var.type != core.VarDesc.VarType.LOD_TENSOR:
         raise ValueError(f"variable '{name}' crosses a stage boundary but is a {var.type}, not a dense tensor; "
                          "move the ops that use it onto one stage")
     shape = tuple(int(d) for d in var.shape)
-    return CutVar(as_name or name, shape, np_dtype(var), batched=bool(shape) and shape[0] == -1)
+    return CutVar(as_name or name, shape, np_dtype(merged_dtype(var) if merged else var),
+                  batched=bool(shape) and shape[0] == -1)
+
+
+def merged_dtype(grad: framework.Variable) -> int:
+    """The dtype a gradient accumulates in: float32 for a float16/bfloat16 gradient (pure low-precision
+    AMP), as a single device's matmul sums a whole batch in float32 and rounds once; else its own."""
+    return core.VarDesc.VarType.FP32 if grad.dtype in LOW_PRECISION else grad.dtype
 
 
 def declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> str:
@@ -91,7 +99,7 @@ def declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> str
     name = grad + MERGED_SUFFIX
     if not dst.has_var(name):
         g = src._var_recursive(grad)
-        dst.create_var(name=name, shape=g.shape, dtype=g.dtype, persistable=True, stop_gradient=True)
+        dst.create_var(name=name, shape=g.shape, dtype=merged_dtype(g), persistable=True, stop_gradient=True)
     return name
 
 

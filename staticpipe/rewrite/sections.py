@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, core, framework, paddle
 from ..ir import arg_names
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, Exchange, Route, Section, SectionRef, Stage
-from .optimize import Reduction, place_optimize_ops, shared_partials
+from .optimize import LOSS_SCALING_OPS, Reduction, StageSlice, place_optimize_ops, shared_partials
 from .optimize_section import Exchanges, init_section, optimize_section
 from .programs import (MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var, declare_merged, declare_var,
                        section_runs)
@@ -184,7 +184,9 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     placement = place_optimize_ops(block, assignment, grads)
     _check_sparse_updates(block, assignment, grads)
     reductions = {item.op: item for ops in placement.ops.values() for item in ops if isinstance(item, Reduction)}
-    exchanges = Exchanges(block, partials, [reductions[i] for i in sorted(reductions)], assignment)
+    checks = sorted({item.op for ops in placement.ops.values() for item in ops
+                     if isinstance(item, StageSlice) and block.ops[item.op].type == LOSS_SCALING_OPS[0]})
+    exchanges = Exchanges(block, partials, [reductions[i] for i in sorted(reductions)], assignment, checks)
     stages = []
     for s, device in enumerate(assignment.devices):
         # gradients accumulated here: owned parameters' gradients and partials of shared parameters
@@ -292,6 +294,11 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
     copy_ops(dst, block, sec.ops, edit=edit, persistable=set(grads_here))
     for g in grads_here:  # accumulate: g@MERGED += g (sum also adds sparse rows of embedding gradients)
         merged = declare_merged(dst, block, g)
+        if dst.var(merged).dtype != dst.var(g).dtype:  # a low-precision gradient adds up in float32
+            dst.create_var(name=g + "@FP32", shape=dst.var(g).shape, dtype=dst.var(merged).dtype)
+            append_tagged_op(dst, "cast", device, ROLE_BACKWARD, inputs={"X": [g]}, outputs={"Out": [g + "@FP32"]},
+                             attrs={"in_dtype": dst.var(g).dtype, "out_dtype": dst.var(merged).dtype})
+            g += "@FP32"
         append_tagged_op(dst, "sum", device, ROLE_BACKWARD, inputs={"X": [merged, g]}, outputs={"Out": [merged]})
     for r in sends:
         for v in r.vars:

@@ -81,27 +81,36 @@ def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ..
 def _walk(worker: "DeviceWorker", job: "StepJob", stage: int, sent: set[int]) -> Generator[Waiting, Any, None]:
     """Stage ``stage``'s optimize section, run by run. Sends go out at once (and into ``sent``); at a
     receive it yields (the exchange, None) and is resumed with the message, at a sum it yields (the
-    exchange, its part) and is resumed with the total."""
+    exchange, its part) and is resumed with the total.
+
+    Its temporaries live in a scope of its own under the device's: two stages of one device compute
+    values of the same names (a clip's norm, AMP's overflow flag) and run in turns, so in one scope the
+    first to finish would free what the other still reads. Persistables resolve to the device's scope."""
     plan = job.plan
     section = plan.stages[stage].sections[OPTIMIZE]
+    persistables = set(plan.stages[stage].persistables)
     if job.channel.replicas > 1:
         _average_replicas(worker, job.channel, plan.stages[stage].grad_buffers)
-    for k, run in enumerate(section.runs):
-        worker.execute(run, worker.scope)
-        if k == len(section.exchanges):
-            return
-        ex = plan.exchanges[section.exchanges[k]]
-        if ex.kind == SUM:
-            total = yield ex, np.array(tensor_of(worker.scope, ex.vars[0].name, OPT(stage)))
-            worker.scope.var(ex.recv_as[0]).get_tensor().set(total, worker.place)
-        elif ex.src == stage:
-            job.channel.send(("opt", ex.index), {v.name: tensor_of(worker.scope, v.name, OPT(stage))._copy(
-                job.places[ex.dst]) for v in ex.vars}, ex.dst)
-            sent.add(ex.index)
-        else:
-            message = yield ex, None
-            for var, name in zip(ex.vars, ex.recv_as):
-                worker.put(worker.scope, name, message[var.name])
+    scope = worker.borrow_scope()
+    try:
+        for k, run in enumerate(section.runs):
+            worker.execute(run, scope)
+            if k == len(section.exchanges):
+                return
+            ex = plan.exchanges[section.exchanges[k]]
+            if ex.kind == SUM:
+                total = yield ex, np.array(tensor_of(scope, ex.vars[0].name, OPT(stage)))
+                scope.var(ex.recv_as[0]).get_tensor().set(total, worker.place)
+            elif ex.src == stage:
+                job.channel.send(("opt", ex.index), {v.name: tensor_of(scope, v.name, OPT(stage))._copy(
+                    job.places[ex.dst]) for v in ex.vars}, ex.dst)
+                sent.add(ex.index)
+            else:
+                message = yield ex, None
+                for var, name in zip(ex.vars, ex.recv_as):
+                    worker.put(worker.scope if name in persistables else scope, name, message[var.name])
+    finally:
+        worker.return_scope(scope, job.program.optimize_leftovers[stage])
 
 
 def _average_replicas(worker: "DeviceWorker", channel: Channel, buffers: tuple[str, ...]) -> None:

@@ -17,17 +17,34 @@ from .devices import Devices
 
 
 def run_startup(devices: Devices, startup: framework.Program, plan: Plan) -> None:
+    """Run ``startup`` on the host and give each stage its persistables, each in the dtype the stage's
+    programs declare: pure low-precision AMP (fp16 O2, ``decorate_bf16(use_pure_bf16=True)``) declares
+    parameters float16/bfloat16 while the startup program makes float32 values, which Paddle's
+    ``amp_init`` casts afterwards on one device; here every stage's copy is cast as it is placed (the
+    float32 master weights are the optimizer's own persistables, initialised by the startup program)."""
     host = core.Scope()
     on_host = clear_device_tags(startup.clone())
     on_host.random_seed = startup.random_seed
     paddle.static.Executor(core.CPUPlace()).run(on_host, scope=host)
     for stage in devices.local_stages(plan):
         worker = devices.worker(stage.device)
+        declared = {v.name: v.dtype for section in stage.sections.values()
+                    for v in section.program.list_vars() if v.persistable}
         for name in stage.persistables:
             var = host.find_var(name)
             if var is not None and var.get_tensor()._is_initialized():
-                worker.scope.var(name).get_tensor().set(np.array(var.get_tensor()), worker.place)
+                value = np.array(var.get_tensor())
+                worker.scope.var(name).get_tensor().set(_low_precision(value, declared.get(name)), worker.place)
         worker.init_stage(stage)
+
+
+def _low_precision(value: np.ndarray, dtype: Any) -> np.ndarray:
+    """A float32 ``value`` of a variable declared float16 or bfloat16, cast as ``amp_init`` casts it."""
+    if value.dtype != np.float32 or dtype not in (core.VarDesc.VarType.FP16, core.VarDesc.VarType.BF16):
+        return value
+    if dtype == core.VarDesc.VarType.FP16:
+        return value.astype(np.float16)
+    return paddle.static.amp.bf16.amp_utils.convert_float_to_uint16(value)
 
 
 def set_learning_rate(devices: Devices, program: framework.Program, plan: Plan) -> None:

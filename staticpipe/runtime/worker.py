@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from .._paddle import core, np
 from ..ir import np_dtype, paddle_dtype, tensor_bytes, tensor_of
-from ..plan import BACKWARD, FORWARD, INIT, WEIGHT, CutVar, Plan, Run, Section, Stage
+from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, WEIGHT, CutVar, Plan, Run, Section, Stage
 from ..schedule import Action, Kind
 from .channel import Channel
 from .errors import PipelineAborted, StageError
@@ -35,6 +35,7 @@ class RankProgram:
     last_use: dict[int, bool]  # action position -> the (stage, micro-batch) scope is released after it
     optimizer_groups: dict[int, tuple[int, ...]]  # first stage of a run of OPT actions -> its stages
     leftovers: dict[int, tuple[str, ...]]  # stage -> names a micro-batch leaves in its scope
+    optimize_leftovers: dict[int, tuple[str, ...]]  # stage -> names its optimize section leaves in its scope
     first_optimizer: int | None = None  # the first stage of the rank's first run of OPT actions
 
     @classmethod
@@ -57,8 +58,10 @@ class RankProgram:
                 names.update(sections[kind].keep if kind in sections else ())
             names.update(v.name for r in plan.routes if r.dst.stage == stage for v in r.vars)
             leftovers[stage] = tuple(sorted(names))
+        optimize_leftovers = {a.stage: tuple(sorted(v.name for v in plan.stages[a.stage].sections[OPTIMIZE].program.list_vars()
+                                                    if not v.persistable)) for a in actions if a.kind is Kind.OPT}
         first = next((a.stage for a in actions if a.kind is Kind.OPT), None)
-        return cls(actions, {i: True for i in last.values()}, groups, leftovers, first)
+        return cls(actions, {i: True for i in last.values()}, groups, leftovers, optimize_leftovers, first)
 
 
 @dataclass
@@ -164,7 +167,7 @@ class DeviceWorker:
                         key = (action.stage, action.microbatch)
                         scope = scopes.get(key)
                         if scope is None:
-                            scope = scopes[key] = self._free.pop() if self._free else self.scope.new_scope()
+                            scope = scopes[key] = self.borrow_scope()
                         if action.kind is Kind.RECV:
                             self._recv(job, action, scope)
                         elif action.kind is Kind.SEND:
@@ -232,7 +235,15 @@ class DeviceWorker:
         held = self._held.pop((stage, microbatch), None)
         if held is not None:
             self.memory[stage].add(-held, -1)
-        scope.erase(program.leftovers[stage])
+        self.return_scope(scope, program.leftovers[stage])
+
+    def borrow_scope(self) -> core._Scope:
+        """A scope under the device's for one micro-batch's (or one optimize section's) temporaries."""
+        return self._free.pop() if self._free else self.scope.new_scope()
+
+    def return_scope(self, scope: core._Scope, leftovers: tuple[str, ...]) -> None:
+        """Take back a borrowed scope, erasing ``leftovers``: a reused scope never serves a stale value."""
+        scope.erase(leftovers)
         self._free.append(scope)
 
 

@@ -119,6 +119,16 @@ MUTANTS = [
                "                                 outputs={\"Out\": [target]}, attrs={\"axis\": -1})\n",
            tests=("tests/test_training_parity.py::test_tied_embedding_trains_like_single_device",
                   "tests/test_training_parity.py::test_gpt_with_adamw_warmup_cosine_and_global_norm_clipping")),
+    Mutant("x5", "AMP: each stage skips on its own overflow flag (not or-ed over the stages)",
+           "staticpipe/rewrite/optimize_section.py",
+           old="    _cast(dst, flag + SUM_SUFFIX, flag, core.VarDesc.VarType.BOOL, device)\n",
+           new="    _cast(dst, flag + PARTIAL_SUFFIX, flag, core.VarDesc.VarType.BOOL, device)\n",
+           tests=("tests/test_amp.py",), extra=True),
+    Mutant("x6", "AMP: every stage of a device updates the shared loss-scale state",
+           "staticpipe/rewrite/optimize_section.py",
+           old="        elif not item.updates_state:\n",
+           new="        elif False:\n",
+           tests=("tests/test_amp.py",), extra=True),
     # --extra: bugs that the tests these replace did not catch (a loss that only has to fall; a PNG whose
     # header alone was checked)
     Mutant("x1", "1/M loss-gradient scale off by one: 1/(M+1)", "staticpipe/rewrite/sections.py",

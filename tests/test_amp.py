@@ -1,0 +1,379 @@
+"""Mixed precision across stages: Paddle's static AMP decorators inside a PipelineOptimizer.
+
+What must hold (and what each test checks against single-device Paddle running the same decorator):
+- fp16 dynamic loss scaling: the loss-gradient seed carries the scale and 1/M, the accumulated gradients
+  are unscaled once per step, the overflow flag is or-ed over every stage, so an overflow on one stage
+  skips every stage's update and every stage's copy of the loss-scale state changes alike;
+- bf16: the casts run where their data flows, cut variables may be bfloat16;
+- the loss-scale state is in the state dict and in checkpoints, so a resume is exact.
+
+On CPU, Paddle 2.6 has no float16 kernels for its white-list ops: ``decorate`` (fp16 O1) inserts no casts
+and its loss scaling runs in float32, so pipeline and reference compute the same numbers up to summation
+order (tolerance 1e-5, as for fp32). ``decorate_bf16`` casts and runs bfloat16 kernels; there the
+reference is Paddle's gradient merge over the same micro-batches (a bf16 matmul rounds its per-batch sum
+once, so micro-batches round differently from one whole batch by up to bf16's 2^-8; per micro-batch, the
+pipeline's float32 accumulation is the reference's, to 1e-5).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+
+import staticpipe
+from models import build_gpt, build_mlp
+from pipeline_util import assert_adam_family_training, gradient_merge_twins, minimize, train_twins
+from staticpipe._paddle import np, paddle
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYOUTS = {
+    "F-then-B": ["gpu:0", "gpu:1", "gpu:2"],
+    "1F1B": ["gpu:0", "gpu:1"],
+    "interleaved": ["gpu:0", "gpu:1", "gpu:0", "gpu:1"],
+    "ZB-H1": ["gpu:0", "gpu:1", "gpu:2"],
+    "ZB-V": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+}
+INIT_SCALE = 2.0 ** 15
+
+
+def fp16(optimizer, **kw):
+    """fp16 O1 with dynamic loss scaling that grows every 2 good steps: a 4-step run changes the scale."""
+    return paddle.static.amp.decorate(optimizer, init_loss_scaling=INIT_SCALE, incr_every_n_steps=2,
+                                      use_dynamic_loss_scaling=True, **kw)
+
+
+def adamw_clipped(clip=0.5):
+    return paddle.optimizer.AdamW(0.01, grad_clip=paddle.nn.ClipGradByGlobalNorm(clip))
+
+
+def loss_scale_names(program) -> dict[str, str]:
+    """The loss-scale state of a program minimized by ``paddle.static.amp.decorate``, by its role: the
+    scale is what ``check_finite_and_unscale`` divides by, the counters what ``update_loss_scaling`` keeps."""
+    [update] = [op for op in program.global_block().ops if op.type == "update_loss_scaling"]
+    return {"scale": update.input("PrevLossScaling")[0], "good": update.input("InGoodSteps")[0],
+            "bad": update.input("InBadSteps")[0]}
+
+
+def stage_copies(exe, program, name) -> dict[int, np.ndarray]:
+    """Each stage's own copy of ``name`` (stages sharing a device share one)."""
+    plan = staticpipe.plan_of(program)
+    return {s: np.array(exe._devices.worker(plan.stages[s].device).scope.find_var(name).get_tensor())
+            for s in plan.stage_of_var(name)}
+
+
+def twins(builder, make_opt, batches, **pipeline):
+    """Single-device Paddle and the pipeline, same decorator, same initial state, same global batches;
+    returns (reference state, pipeline state, reference losses, pipeline losses, executor, network)."""
+    ref, pipe = builder(guarded=False), builder()
+    minimize(ref, make_opt(), None)
+    minimize(pipe, make_opt(), pipeline)
+    ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    ref_exe.run(ref.startup, scope=scope)
+    exe = staticpipe.Executor()
+    exe.run(pipe.startup)
+    names = sorted(exe.state_dict(pipe.main))
+    exe.set_state_dict(pipe.main, {n: np.array(scope.find_var(n).get_tensor()) for n in names})
+    ref_losses, pipe_losses = [], []
+    for batch in batches:
+        ref_losses.append(float(ref_exe.run(ref.main, feed=batch, fetch_list=[ref.loss.name], scope=scope)[0]))
+        pipe_losses.append(float(exe.run(pipe.main, feed=batch, fetch_list=[pipe.loss])[0]))
+    reference = {n: np.array(scope.find_var(n).get_tensor()) for n in names}
+    return reference, exe.state_dict(pipe.main), ref_losses, pipe_losses, exe, pipe
+
+
+def assert_same_state(got, want, rtol=1e-5, atol=1e-6):
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("schedule", sorted(LAYOUTS))
+def test_fp16_loss_scaling_equals_single_device(schedule):
+    """Every parameter, AdamW moment and the loss-scale state after 4 steps, with global-norm clipping
+    (active) after the unscale; the scale doubled twice on every stage."""
+    devices = LAYOUTS[schedule]
+    builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices, hidden=32, in_dim=16)
+    net = builder()
+    batches = [net.random_batch(16, seed=s) for s in range(4)]
+    ref, got, ref_losses, losses, exe, pipe = twins(builder, lambda: fp16(adamw_clipped()), batches,
+                                                    num_microbatches=4, schedule=schedule)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_same_state(got, ref)
+    names = loss_scale_names(pipe.main)
+    assert ref[names["scale"]].item() == INIT_SCALE * 4
+    for name in names.values():  # each stage's own copy, not just the one state_dict shows
+        copies = stage_copies(exe, pipe.main, name)
+        assert sorted(copies) == list(range(len(devices)))
+        for value in copies.values():
+            np.testing.assert_array_equal(value, ref[name], err_msg=name)
+    exe.close()
+
+
+def test_an_overflow_on_one_stage_skips_every_stage():
+    """The first layer's weight row for feature 0 is zero, and one sample's feature 0 is 3e38: the
+    forward is finite everywhere, but that weight's scaled gradient (stage 0 only) overflows. No stage
+    updates (AdamW skips parameters and moments), every stage halves its scale and counts a bad step,
+    like single-device Paddle; the next step trains again everywhere."""
+    builder = partial(build_mlp, num_stages=3, hidden=32, in_dim=16)
+    net = builder()
+    first_weight = next(op.input("Y")[0] for op in net.main.global_block().ops if op.type in ("mul", "matmul_v2"))
+    batches = [net.random_batch(16, seed=s) for s in range(2)]
+    batches[0]["features"][5, 0] = 3e38
+    ref_net = builder(guarded=False)
+    minimize(ref_net, fp16(paddle.optimizer.AdamW(0.01)), None)
+    minimize(net, fp16(paddle.optimizer.AdamW(0.01)), dict(num_microbatches=4))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    weight = exe.state_dict(net.main)[first_weight]
+    weight[0] = 0.0
+    exe.set_state_dict(net.main, {first_weight: weight})
+    before = exe.state_dict(net.main)
+    ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    ref_exe.run(ref_net.startup, scope=scope)
+    for name, value in before.items():
+        scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    names = loss_scale_names(net.main)
+
+    loss, = exe.run(net.main, feed=batches[0], fetch_list=[net.loss])
+    ref_exe.run(ref_net.main, feed=batches[0], scope=scope)
+    assert np.isfinite(loss)
+    after = exe.state_dict(net.main)
+    changed = [n for n in before if n not in names.values() and not np.array_equal(after[n], before[n])]
+    assert changed == []
+    for role, want in (("scale", INIT_SCALE / 2), ("good", 0), ("bad", 0)):  # decr_every_n_nan_or_inf=1
+        copies = stage_copies(exe, net.main, names[role])
+        assert sorted(copies) == [0, 1, 2]
+        assert all(v.item() == want for v in copies.values()), (role, copies)
+        assert np.array(scope.find_var(names[role]).get_tensor()).item() == want
+
+    exe.run(net.main, feed=batches[1])
+    ref_exe.run(ref_net.main, feed=batches[1], scope=scope)
+    trained = exe.state_dict(net.main)
+    assert all(not np.array_equal(trained[p.name], after[p.name]) for p in net.main.all_parameters())
+    assert_same_state(trained, {n: np.array(scope.find_var(n).get_tensor()) for n in trained})
+    exe.close()
+
+
+@pytest.mark.parametrize("schedule", sorted(LAYOUTS))
+def test_bf16_equals_single_device_gradient_merge(schedule):
+    """decorate_bf16 casts parameters and activations and runs bfloat16 kernels; activations cross the
+    stages as bfloat16 (half the bytes); every parameter and moment equals Paddle's gradient merge of the
+    same AMP program over the same micro-batches."""
+    devices = LAYOUTS[schedule]
+    builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices, hidden=32, in_dim=16)
+    _, _, trained = gradient_merge_twins(
+        builder, lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped()), microbatches=4, steps=3,
+        evaluate=False, schedule=schedule)
+    net = builder()
+    minimize(net, paddle.static.amp.bf16.decorate_bf16(adamw_clipped()), dict(num_microbatches=4, schedule=schedule))
+    dtypes = {v.dtype for r in staticpipe.plan_of(net.main).routes for v in r.vars}
+    assert dtypes == {"uint16"}  # Paddle's numpy stand-in for bfloat16
+    assert "bfloat16" in str(staticpipe.plan_of(net.main))
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_gpt_tied_embedding_adamw_clipping_over_four_stages(amp):
+    """The GPT's token table is read on the first and the last stage (a shared parameter: partial
+    gradients sent to its owner, the new value sent back), under AMP with clipping after the unscale."""
+    builder = partial(build_gpt, num_stages=4)
+    if amp == "fp16":  # AdamW: parameters compared up to the reference's own rounding noise (pipeline_util)
+        twin = train_twins(builder, lambda: fp16(adamw_clipped(0.3)), steps=3, batch_size=8, noise=True,
+                           num_microbatches=4)
+        assert_adam_family_training(twin)
+        assert twin.plan.shared  # the tied embedding
+    else:
+        gradient_merge_twins(builder, lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped(0.3)),
+                             microbatches=4, steps=2, batch_size=8, evaluate=False)
+
+
+def test_checkpoint_carries_the_loss_scale_and_resumes_exactly(tmp_path):
+    builder = partial(build_mlp, num_stages=2, hidden=32, in_dim=16)
+    batches = [builder().random_batch(16, seed=s) for s in range(4)]
+
+    def trainer():
+        net = builder()
+        minimize(net, fp16(paddle.optimizer.AdamW(0.01)), dict(num_microbatches=4))
+        exe = staticpipe.Executor()
+        exe.run(net.startup)
+        return net, exe
+
+    net, exe = trainer()
+    for batch in batches:
+        exe.run(net.main, feed=batch)
+    straight = exe.state_dict(net.main)
+    exe.close()
+    net, exe = trainer()
+    for batch in batches[:3]:
+        exe.run(net.main, feed=batch)
+    staticpipe.save(net.main, str(tmp_path / "ckpt"), exe)
+    exe.close()
+    net, exe = trainer()
+    staticpipe.load(net.main, str(tmp_path / "ckpt"), exe)
+    exe.run(net.main, feed=batches[3])
+    resumed = exe.state_dict(net.main)
+    exe.close()
+    names = loss_scale_names(net.main)
+    assert straight[names["scale"]].item() == INIT_SCALE * 4 and straight[names["good"]].item() == 0
+    assert sorted(resumed) == sorted(straight)
+    for name, value in straight.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+def test_verify_checks_amp_programs():
+    net = build_mlp(num_stages=2, hidden=32, in_dim=16)
+    minimize(net, fp16(adamw_clipped()), dict(num_microbatches=4))
+    report = staticpipe.verify(net.main, [net.random_batch(16, seed=s) for s in range(3)], net.startup)
+    assert report.ok, str(report)
+    for name in loss_scale_names(net.main).values():  # compared like any state, step by step
+        assert report.max_diff[name] == [0.0, 0.0, 0.0], name
+
+
+def test_the_decorator_goes_inside_the_pipeline_optimizer():
+    """PipelineOptimizer(decorate(opt)) is the order that works; Paddle's decorators refuse to wrap a
+    PipelineOptimizer, or it refuses their calls, each naming the fix."""
+    pipe = staticpipe.PipelineOptimizer(paddle.optimizer.Momentum(0.1), num_microbatches=2)
+    with pytest.raises(RuntimeError, match="optimizer is expected to be paddle.optimizer.Optimizer, but receive "
+                                           "<class 'staticpipe.optimizer.PipelineOptimizer'>"):
+        paddle.static.amp.decorate(pipe)
+    with pytest.raises(AttributeError) as err:
+        paddle.static.amp.bf16.decorate_bf16(pipe)
+    assert str(err.value).endswith("wrap the AMP-decorated optimizer in it instead: "
+                                   "PipelineOptimizer(paddle.static.amp.decorate(optimizer), ...)")
+
+
+DP_SCRIPT = """
+import os, sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+import staticpipe
+from models import build_mlp
+from pipeline_util import minimize
+from staticpipe._paddle import paddle
+net = build_mlp(num_stages=2, hidden=32, in_dim=16)
+minimize(net, paddle.static.amp.decorate(paddle.optimizer.AdamW(0.01), init_loss_scaling=2.0 ** 15,
+                                         incr_every_n_steps=2), dict(num_microbatches=2, dp_degree=2))
+exe = staticpipe.Executor()
+exe.run(net.startup)
+exe.set_state_dict(net.main, dict(np.load(os.path.join(os.environ["OUT"], "initial.npz"))), strict=False)
+rank = os.environ["PADDLE_TRAINER_ID"]
+for step in range(2):
+    batch = dict(np.load(os.path.join(os.environ["OUT"], f"batch_{{step}}.npz")))
+    exe.run(net.main, feed=batch)
+    np.savez(os.path.join(os.environ["OUT"], f"state_{{rank}}_{{step}}.npz"), **exe.state_dict(net.main))
+"""
+
+
+def test_data_parallel_replicas_agree_on_an_overflow_in_one_replica(tmp_path):
+    """dp=2 x pp=2 on 4 processes; the overflowing sample is in the second replica's half of the batch
+    (its stage 0 alone overflows): the replicas average their gradients before the check, so all four
+    ranks skip the step and halve their scale; the next step equals single-device Paddle."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    net, ref = build_mlp(num_stages=2, hidden=32, in_dim=16), build_mlp(num_stages=2, hidden=32, in_dim=16, guarded=False)
+    minimize(ref, fp16(paddle.optimizer.AdamW(0.01)), None)
+    first_weight = next(op.input("Y")[0] for op in ref.main.global_block().ops if op.type in ("mul", "matmul_v2"))
+    exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    exe.run(ref.startup, scope=scope)
+    names = [v.name for v in ref.main.list_vars() if v.persistable and v.name not in ("feed", "fetch")]
+    scope.find_var(first_weight).get_tensor().set(
+        np.where(np.arange(16)[:, None] == 0, 0, np.array(scope.find_var(first_weight).get_tensor())).astype("float32"),
+        paddle.CPUPlace())
+    initial = {n: np.array(scope.find_var(n).get_tensor()) for n in names}
+    np.savez(tmp_path / "initial.npz", **initial)
+    batches = [net.random_batch(16, seed=s) for s in range(2)]
+    batches[0]["features"][12, 0] = 3e38  # sample 12: the second replica's half
+    for step, batch in enumerate(batches):
+        np.savez(tmp_path / f"batch_{step}.npz", **batch)
+    (tmp_path / "train.py").write_text(DP_SCRIPT.format(repo=repo, tests=os.path.join(repo, "tests")))
+    result = subprocess.run([sys.executable, "-m", "staticpipe.launch", "--nprocs", "4", str(tmp_path / "train.py")],
+                            env=dict(os.environ, OUT=str(tmp_path), PYTHONPATH=repo), capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    scale = loss_scale_names(ref.main)["scale"]
+    for rank in range(4):
+        skipped = dict(np.load(tmp_path / f"state_{rank}_0.npz"))
+        assert skipped[scale].item() == INIT_SCALE / 2, rank
+        assert all(np.array_equal(v, initial[n]) for n, v in skipped.items() if n != scale), rank
+    for batch in batches:
+        exe.run(ref.main, feed=batch, scope=scope)
+    for replica in (0, 1):
+        got = {**np.load(tmp_path / f"state_{2 * replica}_1.npz"), **np.load(tmp_path / f"state_{2 * replica + 1}_1.npz")}
+        assert_same_state(got, {n: np.array(scope.find_var(n).get_tensor()) for n in names}, atol=1e-7)
+
+
+def pure_bf16():
+    """Parameters, activations and feeds in bfloat16, float32 master weights (on CPU Paddle's bf16 SGD
+    kernel is the one optimizer with a bfloat16 kernel)."""
+    return paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1, multi_precision=True),
+                                                use_pure_bf16=True, use_bf16_guard=False)
+
+
+def bf16_batch(net, seed):
+    batch = net.random_batch(16, seed=seed)
+    batch["features"] = paddle.static.amp.bf16.amp_utils.convert_float_to_uint16(batch["features"])
+    return batch
+
+
+def test_pure_bf16_starts_like_amp_init_and_trains_like_one_device():
+    """Executor.run(startup) stores each stage's parameters as the program declares them (bfloat16), as
+    Paddle's amp_init does on one device: the initial state equals it bit for bit. With one micro-batch
+    a step equals the single-device step bit for bit; with four, every schedule gives the same bits
+    (gradients of low precision accumulate in float32 buffers, in micro-batch order)."""
+    ref = build_mlp(num_stages=2, hidden=32, in_dim=16, guarded=False)
+    with paddle.static.program_guard(ref.main, ref.startup), paddle.utils.unique_name.guard():
+        amp = pure_bf16()
+        amp.minimize(ref.loss)
+    exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    exe.run(ref.startup, scope=scope)
+    amp.amp_init(paddle.CPUPlace(), scope=scope)
+    batches = [bf16_batch(ref, s) for s in range(3)]
+
+    def pipeline(devices, schedule, microbatches):
+        net = build_mlp(num_stages=len(devices), stage_devices=devices, hidden=32, in_dim=16)
+        opt = minimize(net, pure_bf16(), dict(num_microbatches=microbatches, schedule=schedule))
+        pipe = staticpipe.Executor()
+        pipe.run(net.startup)
+        opt.amp_init(paddle.CPUPlace())
+        initial = pipe.state_dict(net.main)
+        for batch in batches:
+            pipe.run(net.main, feed=batch)
+        state = pipe.state_dict(net.main)
+        pipe.close()
+        return net, initial, state
+
+    net, initial, one = pipeline(["gpu:0", "gpu:1"], "1F1B", 1)
+    assert {initial[p.name].dtype for p in net.main.all_parameters()} == {np.dtype("uint16")}
+    assert sorted(initial) == sorted(n for n in initial if scope.find_var(n) is not None)
+    for name, value in initial.items():
+        np.testing.assert_array_equal(value, np.array(scope.find_var(name).get_tensor()), err_msg=name)
+    for batch in batches:
+        exe.run(ref.main, feed=batch, scope=scope)
+    for name, value in one.items():
+        np.testing.assert_array_equal(value, np.array(scope.find_var(name).get_tensor()), err_msg=name)
+    runs = [pipeline(devices, schedule, 4)[2] for schedule, devices in
+            (("1F1B", ["gpu:0", "gpu:1"]), ("F-then-B", ["gpu:0", "gpu:1"]), ("ZB-V", LAYOUTS["ZB-V"]))]
+    for other in runs[1:]:
+        for name, value in runs[0].items():
+            np.testing.assert_array_equal(other[name], value, err_msg=name)
+    with pytest.raises(ValueError, match="amp_init\\(test_program=...\\): casting an evaluation program"):
+        minimize(build_mlp(num_stages=2), pure_bf16(), dict(num_microbatches=2)).amp_init(
+            paddle.CPUPlace(), test_program=ref.main)
+
+
+def test_amp_levels_that_would_do_nothing_on_cpu_are_refused():
+    net = build_mlp(num_stages=2, hidden=32, in_dim=16)
+    before = len(net.main.global_block().ops)
+    for dtype in ("float16", "bfloat16"):
+        with pytest.raises(ValueError) as err:
+            minimize(net, paddle.static.amp.decorate(paddle.optimizer.AdamW(0.01, multi_precision=True), level="O2",
+                                                     dtype=dtype), dict(num_microbatches=2))
+        assert str(err.value) == (
+            f"paddle.static.amp.decorate(level='O2', dtype='{dtype}') needs CUDA: on CPU Paddle has no {dtype} "
+            f"kernels for its white-list ops, casts nothing and would train in float32; use "
+            "paddle.static.amp.bf16.decorate_bf16 for bfloat16 on CPU")
+    assert len(net.main.global_block().ops) == before  # refused before anything was added
+    with pytest.raises(ValueError, match="^amp_init before minimize: call minimize"):
+        staticpipe.PipelineOptimizer(pure_bf16()).amp_init(paddle.CPUPlace())
