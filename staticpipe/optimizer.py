@@ -42,8 +42,10 @@ class PipelineOptimizer:
     def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str | dict = "1F1B",
                  micro_batch_size: int | None = None, recompute: bool | list[int] = False,
                  dp_degree: int = 1, schedule_costs: StageCosts | None = None):
-        if not hasattr(optimizer, "minimize"):
-            raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, got {type(optimizer).__name__}")
+        if not _is_paddle_optimizer(optimizer):
+            raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, or one decorated by Paddle's static AMP "
+                             f"(paddle.static.amp.decorate, paddle.static.amp.bf16.decorate_bf16), got "
+                             f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         self.inner = optimizer
         self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree)
         self.plan: Plan | None = None
@@ -142,3 +144,11 @@ def _check_amp(inner: Any) -> None:
     logging.getLogger("staticpipe").warning(
         "staticpipe: AMP O1 (%s) on CPU: Paddle casts no op to %s here (no CPU kernels); loss scaling runs, "
         "in float32", dtype, dtype)
+
+
+def _is_paddle_optimizer(optimizer: Any) -> bool:
+    """A ``paddle.optimizer.Optimizer``, or Paddle's static AMP decorator around one: what ``minimize``
+    knows how to split (the decorators keep the optimizer they wrap as ``_optimizer``)."""
+    if type(optimizer).__module__.startswith("paddle.static.amp."):
+        optimizer = getattr(optimizer, "_optimizer", None)
+    return isinstance(optimizer, paddle.optimizer.Optimizer)

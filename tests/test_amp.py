@@ -190,13 +190,17 @@ def test_gpt_tied_embedding_adamw_clipping_over_four_stages(amp):
                              microbatches=4, steps=2, batch_size=8, evaluate=False)
 
 
-def test_checkpoint_carries_the_loss_scale_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("amp", ["fp16", "bf16-pure"])
+def test_checkpoint_carries_the_amp_state_and_resumes_exactly(tmp_path, amp):
+    """fp16: the loss scale and its counters; pure bf16: bfloat16 parameters and float32 master weights."""
     builder = partial(build_mlp, num_stages=2, hidden=32, in_dim=16)
-    batches = [builder().random_batch(16, seed=s) for s in range(4)]
+    net = builder()
+    batches = ([net.random_batch(16, seed=s) for s in range(4)] if amp == "fp16"
+               else [bf16_batch(net, s) for s in range(4)])
 
     def trainer():
         net = builder()
-        minimize(net, fp16(paddle.optimizer.AdamW(0.01)), dict(num_microbatches=4))
+        minimize(net, fp16(paddle.optimizer.AdamW(0.01)) if amp == "fp16" else pure_bf16(), dict(num_microbatches=4))
         exe = staticpipe.Executor()
         exe.run(net.startup)
         return net, exe
@@ -216,8 +220,12 @@ def test_checkpoint_carries_the_loss_scale_and_resumes_exactly(tmp_path):
     exe.run(net.main, feed=batches[3])
     resumed = exe.state_dict(net.main)
     exe.close()
-    names = loss_scale_names(net.main)
-    assert straight[names["scale"]].item() == INIT_SCALE * 4 and straight[names["good"]].item() == 0
+    if amp == "fp16":
+        names = loss_scale_names(net.main)
+        assert straight[names["scale"]].item() == INIT_SCALE * 4 and straight[names["good"]].item() == 0
+    else:
+        masters = [op.input("MasterParam")[0] for op in net.main.global_block().ops if op.type == "sgd"]
+        assert len(masters) == len(net.main.all_parameters()) and all(straight[n].dtype == np.float32 for n in masters)
     assert sorted(resumed) == sorted(straight)
     for name, value in straight.items():
         np.testing.assert_array_equal(resumed[name], value, err_msg=name)
@@ -239,6 +247,13 @@ def test_the_decorator_goes_inside_the_pipeline_optimizer():
     with pytest.raises(RuntimeError, match="optimizer is expected to be paddle.optimizer.Optimizer, but receive "
                                            "<class 'staticpipe.optimizer.PipelineOptimizer'>"):
         paddle.static.amp.decorate(pipe)
+    class Custom:  # has a minimize, but staticpipe knows only how Paddle's optimizers write the program
+        def minimize(self, loss, **kwargs):
+            return [], []
+
+    with pytest.raises(ValueError, match=r"decorate_bf16\), got test_amp\.test_the_decorator_goes_inside_the_pipeline_"
+                                         r"optimizer\.<locals>\.Custom$"):
+        staticpipe.PipelineOptimizer(Custom())
     with pytest.raises(AttributeError) as err:
         paddle.static.amp.bf16.decorate_bf16(pipe)
     assert str(err.value).endswith("wrap the AMP-decorated optimizer in it instead: "

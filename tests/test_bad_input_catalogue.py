@@ -285,7 +285,8 @@ def plan_with_format(tmp, version):
 CASES = [
     # --- PipelineOptimizer arguments --------------------------------------------------------------
     Case("optimizer-not-an-optimizer", lambda tmp: staticpipe.PipelineOptimizer("sgd", 2), ValueError,
-         exactly("optimizer must be a paddle.optimizer.Optimizer, got str")),
+         exactly("optimizer must be a paddle.optimizer.Optimizer, or one decorated by Paddle's static AMP "
+                 "(paddle.static.amp.decorate, paddle.static.amp.bf16.decorate_bf16), got builtins.str")),
     Case("num_microbatches-zero", lambda tmp: opt(0), ValueError,
          exactly("num_microbatches must be an integer >= 1, got 0")),
     Case("num_microbatches-float", lambda tmp: opt(2.0), ValueError,

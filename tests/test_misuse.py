@@ -89,7 +89,7 @@ def test_a_value_of_another_dtype_is_refused_unless_it_converts_exactly():
     assert exe.state_dict(net.main)[name].dtype == np.float32
 
 
-class DoesNothing:
+class DoesNothing(paddle.optimizer.SGD):
     def minimize(self, loss, **kwargs):
         return [], []
 
@@ -99,7 +99,7 @@ def test_an_optimizer_that_adds_no_updates_and_a_second_minimize_are_refused():
     with pytest.raises(ValueError, match=re.escape(
             "the inner optimizer's minimize (DoesNothing) added no update ops to the program: nothing would ever "
             "train; wrap a paddle.optimizer.Optimizer")):
-        minimize(net, DoesNothing(), dict(num_microbatches=2))
+        minimize(net, DoesNothing(0.1), dict(num_microbatches=2))
     net = pipelined()
     with pytest.raises(ValueError, match=re.escape("minimize was already called on this program")):
         minimize(net, paddle.optimizer.SGD(0.1), dict(num_microbatches=2))

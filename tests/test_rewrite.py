@@ -369,7 +369,9 @@ def test_bad_num_microbatches_is_rejected_by_the_constructor(m):
 
 
 def test_pipeline_optimizer_checks_its_arguments():
-    with pytest.raises(ValueError, match=re.escape("optimizer must be a paddle.optimizer.Optimizer, got object")):
+    with pytest.raises(ValueError, match=re.escape(
+            "optimizer must be a paddle.optimizer.Optimizer, or one decorated by Paddle's static AMP "
+            "(paddle.static.amp.decorate, paddle.static.amp.bf16.decorate_bf16), got builtins.object")):
         staticpipe.PipelineOptimizer(object())
     opt = staticpipe.PipelineOptimizer(momentum(), num_microbatches=3, schedule="GPipe")
     assert (opt.num_microbatches, opt.schedule, opt.micro_batch_size, opt.plan) == (3, "F-then-B", None, None)
