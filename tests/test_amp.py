@@ -392,3 +392,30 @@ def test_amp_levels_that_would_do_nothing_on_cpu_are_refused():
     assert len(net.main.global_block().ops) == before  # refused before anything was added
     with pytest.raises(ValueError, match="^amp_init before minimize: call minimize"):
         staticpipe.PipelineOptimizer(pure_bf16()).amp_init(paddle.CPUPlace())
+
+
+def test_bf16_parameter_copies_are_held_once_per_stage_not_per_micro_batch():
+    """O1 casts every weight to bfloat16 in front of its matmul; the copy is the same for every micro-batch
+    of a step, so each stage holds one (in its scope) instead of one per micro-batch in flight: the
+    activations kept between forward and backward are then about half of fp32's (bfloat16 matmul outputs;
+    the last stage also keeps a float32 copy of the logits for the loss), where a copy per micro-batch would
+    add the weights' bf16 bytes times the micro-batches in flight (here more than fp32's whole count). The copies
+    are not state (not in the state dict); recompute works with them; training still equals the merge."""
+    def kept(make_opt, recompute=False):
+        net = build_mlp(num_stages=2, hidden=256, in_dim=64)
+        minimize(net, make_opt(), dict(num_microbatches=4, recompute=recompute))
+        exe = staticpipe.Executor()
+        exe.run(net.startup)
+        exe.run(net.main, feed=net.random_batch(32))
+        stats, state = exe.memory_stats(), exe.state_dict(net.main)
+        exe.close()
+        return {s: m["peak_activation_bytes"] for s, m in stats.items()}, sorted(state)
+
+    fp32, fp32_state = kept(adamw_clipped)
+    bf16, bf16_state = kept(lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped()))
+    assert sorted(bf16) == sorted(fp32) == [0, 1]
+    assert all(0 < bf16[s] < 0.55 * fp32[s] for s in fp32), (bf16, fp32)
+    assert bf16_state == fp32_state
+    gradient_merge_twins(partial(build_mlp, num_stages=2, hidden=32, in_dim=16),
+                         lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped()), microbatches=4, steps=2,
+                         evaluate=False, recompute=True)

@@ -45,18 +45,39 @@ class SectionOps:
 Drops = dict[int, set[str]]  # op index -> argument names removed from that op's copy in one section
 
 
-def _analyse(block: framework.Block, ref: SectionRef, ops: list[int], drop_in: Drops, drop_out: Drops) -> SectionOps:
+def _analyse(block: framework.Block, ref: SectionRef, ops: list[int], drop_in: Drops, drop_out: Drops,
+             step_values: frozenset[str] = frozenset()) -> SectionOps:
     sec = SectionOps(ref, ops)
     for i in ops:
         op = block.ops[i]
         for name in arg_names(op.input_arg_names):
-            if name in drop_in.get(i, ()):
+            if name in drop_in.get(i, ()) or name in step_values:
                 continue
             if name not in sec.writes and name not in sec.reads and not block._var_recursive(name).persistable:
                 sec.reads.append(name)
-        sec.writes.update(n for n in arg_names(op.output_arg_names)
-                          if n not in drop_out.get(i, ()) and not block._var_recursive(n).persistable)
+        sec.writes.update(n for n in arg_names(op.output_arg_names) if n not in drop_out.get(i, ())
+                          and n not in step_values and not block._var_recursive(n).persistable)
     return sec
+
+
+def step_values(block: framework.Block, assignment: StageAssignment) -> frozenset[str]:
+    """Values the same for every micro-batch of a step, held once per stage instead of once per micro-batch
+    in flight: AMP's low-precision copies of parameters (a ``cast`` of a parameter, which O1 inserts in
+    front of every white-list op), read only on the cast's own stage. Each forward still computes its
+    copy (a cheap cast: the parameters change only between steps), into the stage's scope, so the
+    backwards of every micro-batch in flight read one copy rather than keeping one each."""
+    params = {p.name for p in block.all_parameters()}
+    readers: dict[str, set[int]] = {}
+    for i, op in enumerate(block.ops):
+        for name in op.input_arg_names:
+            readers.setdefault(name, set()).add(assignment.stage[i])
+    found = set()
+    for i, op in enumerate(block.ops):
+        if assignment.role[i] == FWD and op.type == "cast" and op.input("X")[0] in params:
+            out = op.output("Out")[0]
+            if not block._var_recursive(out).persistable and readers.get(out, set()) <= {assignment.stage[i]}:
+                found.add(out)
+    return frozenset(found)
 
 
 def split_weight_gradients(block: framework.Block, ops: list[int], params: set[str]
@@ -129,7 +150,8 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
                 block, by_section[b], params)
     kinds = PER_MICROBATCH if split_backward else (FORWARD, BACKWARD)
     order = sorted((SectionRef(s, k) for s in range(p) for k in kinds), key=lambda r: r.order(p))
-    secs = {ref: _analyse(block, ref, by_section.get(ref, []), drop_in, drop_out[ref]) for ref in order}
+    held = step_values(block, assignment)
+    secs = {ref: _analyse(block, ref, by_section.get(ref, []), drop_in, drop_out[ref], held) for ref in order}
 
     producer: dict[str, SectionRef] = {}
     for ref in order:
@@ -196,13 +218,16 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
         fwd = secs[SectionRef(s, FORWARD)]
         if s in recompute:
             _check_recomputable(block, fwd)
+            # the backward reruns every forward op: it needs all of the forward's inputs (fed, received),
+            # even those only the forward reads (an AMP cast's input), and nothing the forward computed
             sent = {v.name for r in routes if r.src == fwd.ref for v in r.vars}
-            fwd.keep = {n for n in fwd.keep if n not in fwd.writes} | sent
+            inputs = set(fwd.feeds) | {v.name for r in routes if r.dst == fwd.ref for v in r.vars}
+            fwd.keep = {n for n in fwd.keep if n not in fwd.writes} | sent | inputs
         for kind in kinds:
             ref = SectionRef(s, kind)
             sections[kind] = _per_microbatch_section(
                 block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
-                drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [])
+                drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [], held=held)
         sections[OPTIMIZE] = optimize_section(block, s, device, placement.ops[s], grads, merge, partials,
                                               assignment, exchanges)
         sections[INIT] = init_section(block, s, device, merge)
@@ -211,7 +236,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             parameters=tuple(n for n, st in assignment.param_stage.items() if st == s),
             grad_buffers=tuple(g + MERGED_SUFFIX for g in merge),
             persistables=tuple(sorted({v.name for sec in sections.values() for v in sec.program.list_vars()
-                                       if v.persistable and v.name not in merge}))))
+                                       if v.persistable and v.name not in merge and v.name not in held}))))
     return (stages, routes, exchanges.records, {k: tuple(v) for k, v in data_vars.items()}, producer,
             placement.replicated)
 
@@ -242,7 +267,8 @@ def _check_recomputable(block: framework.Block, fwd: SectionOps) -> None:
 
 def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: list[Route], device: str,
                             micro_batch_size: int | None, merge: dict[str, str], num_microbatches: int,
-                            drop_in: Drops, drop_out: Drops, recompute: list[int] = ()) -> Section:
+                            drop_in: Drops, drop_out: Drops, recompute: list[int] = (),
+                            held: frozenset[str] = frozenset()) -> Section:
     role = 0 if sec.ref.kind == FORWARD else ROLE_BACKWARD
     prog = paddle.static.Program()
     dst = prog.global_block()
@@ -290,8 +316,8 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
                 if name in op.input_arg_names:
                     append_tagged_op(dst, "assign", device, ROLE_BACKWARD, inputs={"X": [name]},
                                      outputs={"Out": [name + RECOMPUTE_SUFFIX]})
-        copy_ops(dst, block, [i], edit=recompute_edit)
-    copy_ops(dst, block, sec.ops, edit=edit, persistable=set(grads_here))
+        copy_ops(dst, block, [i], edit=recompute_edit, persistable=held)
+    copy_ops(dst, block, sec.ops, edit=edit, persistable=set(grads_here) | held)
     for g in grads_here:  # accumulate: g@MERGED += g (sum also adds sparse rows of embedding gradients)
         merged = declare_merged(dst, block, g)
         if dst.var(merged).dtype != dst.var(g).dtype:  # a low-precision gradient adds up in float32
