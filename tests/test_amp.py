@@ -419,3 +419,39 @@ def test_bf16_parameter_copies_are_held_once_per_stage_not_per_micro_batch():
     gradient_merge_twins(partial(build_mlp, num_stages=2, hidden=32, in_dim=16),
                          lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped()), microbatches=4, steps=2,
                          evaluate=False, recompute=True)
+
+
+BF16_SCRIPT = """
+import os, sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+import staticpipe
+from models import build_mlp
+from pipeline_util import minimize
+from staticpipe._paddle import paddle
+net = build_mlp(num_stages=2, hidden=32, in_dim=16)
+minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.AdamW(0.01)), dict(num_microbatches=4))
+exe = staticpipe.Executor()
+exe.run(net.startup)
+for step in range(3):
+    exe.run(net.main, feed=net.random_batch(16, seed=step))
+rank = os.environ.get("PADDLE_TRAINER_ID", "single")
+np.savez(os.path.join(os.environ["OUT"], f"state_{{rank}}.npz"), **exe.state_dict(net.main))
+"""
+
+
+def test_bf16_cut_variables_cross_processes(tmp_path):
+    """decorate_bf16 on 2 launched processes: bfloat16 activations and gradients cross gloo (as Paddle's
+    uint16 stand-in) and arrive as bfloat16; the state equals the threaded run's bit for bit."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "train.py").write_text(BF16_SCRIPT.format(repo=repo, tests=os.path.join(repo, "tests")))
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=repo)
+    for cmd in ([sys.executable, str(tmp_path / "train.py")],
+                [sys.executable, "-m", "staticpipe.launch", "--nprocs", "2", str(tmp_path / "train.py")]):
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-2000:]
+    single = dict(np.load(tmp_path / "state_single.npz"))
+    launched = {**np.load(tmp_path / "state_0.npz"), **np.load(tmp_path / "state_1.npz")}
+    assert sorted(launched) == sorted(single)
+    for name, value in single.items():
+        np.testing.assert_array_equal(launched[name], value, err_msg=name)
