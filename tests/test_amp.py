@@ -455,3 +455,24 @@ def test_bf16_cut_variables_cross_processes(tmp_path):
     assert sorted(launched) == sorted(single)
     for name, value in single.items():
         np.testing.assert_array_equal(launched[name], value, err_msg=name)
+
+
+def test_a_cut_variable_whose_dtype_the_stages_disagree_on_stops_the_step_naming_it():
+    """The dtype of a cut variable is part of the boundary contract: the receiver (in another process:
+    from the plan alone) expects what the program declares. Here the program declares the activation
+    float16 (as an AMP list would) while the producing kernel computes float32: the sending stage stops
+    the step with an error naming the variable, both dtypes and the action, and nothing is updated."""
+    net = build_mlp(num_stages=2, hidden=32, in_dim=16)
+    cut = [op.output("Out")[0] for op in net.main.global_block().ops if op.type == "relu"][1]  # stage 0's last
+    net.main.global_block().var(cut).desc.set_dtype(paddle.base.core.VarDesc.VarType.FP16)
+    minimize(net, paddle.optimizer.SGD(0.1), dict(num_microbatches=2))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    before = exe.state_dict(net.main)
+    with pytest.raises(staticpipe.StageError) as err:
+        exe.run(net.main, feed=net.random_batch(8))
+    assert str(err.value) == (f"stage 0 (gpu:0) failed in action 0SEND_F0>1: ValueError: cut variable '{cut}' has dtype "
+                              "float32, but the plan compiled float16")
+    after = exe.state_dict(net.main)
+    assert all(np.array_equal(after[n], v) for n, v in before.items())
+    exe.close()
