@@ -85,6 +85,11 @@ class PipelineOptimizer:
 
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
                  parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:
+        if not isinstance(loss, framework.Variable):
+            raise ValueError(f"minimize: the loss is a {type(loss).__module__}.{type(loss).__qualname__}, not a variable of "
+                             "Paddle's legacy program IR; staticpipe pipelines legacy-IR programs only, and PIR "
+                             "programs (Paddle 3's default) not yet: build the program outside "
+                             "paddle.pir_utils.IrGuard and without STATICPIPE_LEGACY_IR=0")
         program = loss.block.program
         if plan_of(program) is not None:
             raise ValueError("minimize was already called on this program: it holds a pipeline plan (and the "

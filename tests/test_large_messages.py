@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     from test_large_messages import build, batch
     from staticpipe._paddle import paddle
     main, startup, loss = build(guarded=True)
-    with paddle.static.program_guard(main, startup):
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
         staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=2).minimize(loss)
     exe = staticpipe.Executor()
     exe.run(startup)
@@ -80,7 +80,7 @@ def test_a_64_mib_cut_tensor_crosses_two_processes_under_1f1b(tmp_path):
         np.testing.assert_array_equal(launched[name], value, err_msg=name)
 
     main, startup, loss = build(guarded=False)
-    with paddle.static.program_guard(main, startup):
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():  # same names as the script's
         paddle.optimizer.SGD(0.1).minimize(loss)
     exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
     exe.run(startup, scope=scope)

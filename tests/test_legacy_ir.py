@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-import staticpipe  # noqa: F401
+import staticpipe
 from staticpipe._paddle import PADDLE_MAJOR, np, paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,3 +138,24 @@ def test_staticpipe_legacy_ir_0_turns_it_off():
                          env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1].startswith("paddle.base.libpaddle.pir")
+
+
+@PADDLE3
+def test_a_pir_program_is_refused_naming_the_ir():
+    with paddle.pir_utils.IrGuard():
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        with paddle.static.program_guard(main, startup):
+            with staticpipe.device_guard("gpu:0"):
+                x = paddle.static.data("x", [None, 8], "float32")
+                h = paddle.static.nn.fc(x, 8)
+            with staticpipe.device_guard("gpu:1"):
+                loss = paddle.mean(h)
+            before = len(main.global_block().ops)
+            with pytest.raises(ValueError) as err:
+                staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=2).minimize(loss)
+        assert len(main.global_block().ops) == before  # nothing added
+    assert "pir" in type(loss).__module__
+    assert str(err.value) == (
+        f"minimize: the loss is a {type(loss).__module__}.{type(loss).__qualname__}, not a variable of Paddle's legacy "
+        "program IR; staticpipe pipelines legacy-IR programs only, and PIR programs (Paddle 3's default) not yet: "
+        "build the program outside paddle.pir_utils.IrGuard and without STATICPIPE_LEGACY_IR=0")
