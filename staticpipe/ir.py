@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterable, Sequence
 
-from ._paddle import OP_DEVICE, PADDLE_MAJOR, core, framework, paddle
+from ._paddle import OP_DEVICE, PADDLE_MAJOR, core, framework, np, paddle
 
 EMPTY_VAR = core.kEmptyVarName() if hasattr(core, "kEmptyVarName") else "@EMPTY@"
 # the legacy all-reduce-sum op: Paddle 3.x removed c_allreduce_sum for all_reduce (reduce_type 0: sum)
@@ -21,6 +21,23 @@ ALLREDUCE_SUM = ("c_allreduce_sum", {"ring_id": 0, "use_calc_stream": True}, "X"
 def np_dtype(dtype: Any) -> str:
     """The numpy dtype name ("float32", "int64", ...) of a variable, a Paddle dtype or a tensor's dtype."""
     return paddle.base.data_feeder.convert_dtype(getattr(dtype, "dtype", dtype))
+
+
+def as_float(value: Any, dtype: Any) -> np.ndarray:
+    """``value`` of a variable of Paddle dtype ``dtype`` as numbers: Paddle hands bfloat16 values out as
+    their uint16 bit patterns (its numpy stand-in), which arithmetic must not see; other dtypes as they are."""
+    value = np.asarray(value)
+    if dtype == core.VarDesc.VarType.BF16 and value.dtype == np.uint16:
+        return (value.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return value
+
+
+def as_fetched(value: np.ndarray, like: np.ndarray, dtype: Any) -> np.ndarray:
+    """Numbers ``value`` (from ``as_float``) handed out as ``like`` was: a bfloat16 value as its bit
+    patterns, rounded to nearest even (Paddle's fetch gives bfloat16 so); others in ``like``'s dtype."""
+    if np.asarray(like).dtype == np.uint16 and dtype == core.VarDesc.VarType.BF16:
+        return paddle.static.amp.bf16.amp_utils.convert_float_to_uint16(np.asarray(value, np.float32))
+    return np.asarray(value).astype(np.asarray(like).dtype)
 
 
 @functools.lru_cache(maxsize=None)

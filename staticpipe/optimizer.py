@@ -74,7 +74,8 @@ class PipelineOptimizer:
             raise ValueError(f"amp_init: the wrapped optimizer ({type(self.inner).__name__}) is not AMP-decorated")
         if test_program is not None:
             raise ValueError("amp_init(test_program=...): casting an evaluation program to low precision is not "
-                             "supported by staticpipe yet; evaluate with the float32 test program")
+                             "supported by staticpipe yet; evaluate with a clone of the trained program taken after "
+                             "minimize (main.clone(for_test=True)), whose parameters have the stages' dtypes")
 
     def __getattr__(self, name: str) -> Any:
         """Only for names the class lacks: Paddle's AMP decorators read optimizer internals (``type``,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._paddle import framework, np, paddle
+from .ir import as_float
 from .plan import Plan, require_plan
 from .executor import Executor
 
@@ -144,14 +145,19 @@ def verify(program: framework.Program, loader: Any, startup_program: framework.P
     scheduler = getattr(program, "lr_scheduler", None)
     saved = scheduler.state_dict() if scheduler is not None else None
     losses_p, losses_r, diffs, bounds = [], [], {name: [] for name in initial}, {}
+
+    def number(name: str, value: Any) -> np.ndarray:  # bfloat16 comes as bit patterns: compare numbers
+        return as_float(value, program.global_block()._var_recursive(name).dtype)
+
     try:
         for batch in batches:
-            losses_p.append(float(np.mean(pipe.run(program, feed=batch, fetch_list=[plan.loss])[0])))
-            losses_r.append(float(np.mean(ref.run(program, feed=batch, fetch_list=[plan.loss], scope=scope)[0])))
+            losses_p.append(float(np.mean(number(plan.loss, pipe.run(program, feed=batch, fetch_list=[plan.loss])[0]))))
+            losses_r.append(float(np.mean(number(plan.loss, ref.run(program, feed=batch, fetch_list=[plan.loss],
+                                                                     scope=scope)[0]))))
             state = pipe.state_dict(program)
             for name in diffs:
-                r = np.array(scope.find_var(name).get_tensor())
-                diffs[name].append(float(np.max(np.abs(state[name] - r))) if r.size else 0.0)
+                r = number(name, np.array(scope.find_var(name).get_tensor())).astype(np.float64)
+                diffs[name].append(float(np.max(np.abs(number(name, state[name]) - r))) if r.size else 0.0)
                 bounds[name] = atol + rtol * (float(np.max(np.abs(r))) if r.size else 0.0)
             if scheduler is not None:
                 scheduler.step()

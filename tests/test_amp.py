@@ -476,3 +476,106 @@ def test_a_cut_variable_whose_dtype_the_stages_disagree_on_stops_the_step_naming
     after = exe.state_dict(net.main)
     assert all(np.array_equal(after[n], v) for n, v in before.items())
     exe.close()
+
+
+def frozen_first_stage(guarded=True):
+    """The MLP with stage 0's two layers frozen (fine-tuning): stage 0 trains nothing, holds no gradient."""
+    from pipeline_util import dense_layers
+    net = build_mlp(num_stages=2, hidden=32, in_dim=16, guarded=guarded)
+    frozen = {name for layer in dense_layers(net.main)[:2] for name in layer}
+    for param in net.main.all_parameters():
+        param.stop_gradient = param.name in frozen
+    return net
+
+
+def test_a_stage_without_gradients_still_checks_and_keeps_the_loss_scale():
+    """Paddle's loss-scaling kernels need at least one gradient; a stage that trains nothing still takes part
+    in the overflow vote (with a zero) and keeps its copy of the scale, which its neighbours update alike."""
+    net = frozen_first_stage()
+    batches = [net.random_batch(16, seed=s) for s in range(4)]
+    ref, got, ref_losses, losses, exe, pipe = twins(frozen_first_stage, lambda: fp16(adamw_clipped()), batches,
+                                                    num_microbatches=4)
+    assert not staticpipe.plan_of(pipe.main).stages[0].grad_buffers  # stage 0 really trains nothing
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_same_state(got, ref)
+    scale = loss_scale_names(pipe.main)["scale"]
+    assert {s: v.item() for s, v in stage_copies(exe, pipe.main, scale).items()} == {0: INIT_SCALE * 4,
+                                                                                      1: INIT_SCALE * 4}
+    exe.close()
+
+
+def test_bfloat16_fetches_evaluation_and_verify_see_numbers_not_bit_patterns():
+    """Paddle hands bfloat16 values out as uint16 bit patterns: the mean of a step's micro-batch losses,
+    an evaluation's mean and verify's differences must be taken on the numbers. Pure bf16, 2 micro-batches:
+    the fetched loss is the mean of single-device Paddle's two half-batch losses (to bf16 rounding)."""
+    from staticpipe.ir import as_float
+    bf16 = paddle.base.core.VarDesc.VarType.BF16
+    net, ref = build_mlp(num_stages=2, hidden=32, in_dim=16), build_mlp(num_stages=2, hidden=32, in_dim=16,
+                                                                        guarded=False)
+    minimize(net, pure_bf16(), dict(num_microbatches=2))
+    minimize(ref, pure_bf16(), None)
+    test = net.main.clone(for_test=True)  # after minimize: its parameters are bfloat16 too
+    ref_test = ref.main.clone(for_test=True)
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    batch = net.random_batch(16, seed=0)
+    batch["features"][8:] *= 40  # the halves' losses differ in exponent: averaging bit patterns would show
+    batch["features"] = paddle.static.amp.bf16.amp_utils.convert_float_to_uint16(batch["features"])
+    rexe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    rexe.run(ref.startup, scope=scope)
+    for name, value in exe.state_dict(net.main).items():
+        scope.find_var(name).get_tensor().set(value, paddle.CPUPlace())
+    halves = [rexe.run(ref_test, feed={k: v[h * 8:(h + 1) * 8] for k, v in batch.items()}, fetch_list=[ref.loss.name],
+                       scope=scope)[0] for h in (0, 1)]
+    assert all(h.dtype == np.uint16 for h in halves)  # Paddle's own fetch: bit patterns
+    want = np.mean([as_float(h, bf16) for h in halves])
+    assert max(as_float(h, bf16).item() for h in halves) > 2 * min(as_float(h, bf16).item() for h in halves)
+
+    class OneBatch:
+        def epoch(self):
+            yield batch
+
+    evaluated = exe.evaluate(test, OneBatch(), [net.loss.name], num_microbatches=2, like=net.main)[0]
+    np.testing.assert_allclose(float(evaluated), want, rtol=2 ** -7)  # before the step changes the state
+    [loss] = exe.run(net.main, feed=batch, fetch_list=[net.loss])
+    assert loss.dtype == np.uint16  # as Paddle gives bfloat16
+    np.testing.assert_allclose(as_float(loss, bf16), want, rtol=2 ** -7)  # the mean, rounded to bfloat16
+    report = staticpipe.verify(net.main, [batch], net.startup, steps=1, rtol=2 ** -6, atol=2 ** -8)
+    assert all(0.5 < loss < 1000 for loss in report.pipeline_losses + report.reference_losses)
+    assert max(d[-1] for d in report.max_diff.values()) < 0.05, report.max_diff
+    exe.close()
+
+
+@pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V"])
+def test_zero_bubble_keeps_the_weight_gradient_matmuls_in_w_under_amp(schedule):
+    """Under O1 a matmul's weight gradient is the gradient of the weight's bf16 copy: it still belongs to
+    the W half of the backward (else the split buys nothing and B keeps weight-sized gradients for W)."""
+    devices = LAYOUTS[schedule]
+    for make_opt in (adamw_clipped, lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped())):
+        net = build_mlp(num_stages=len(devices), stage_devices=devices, hidden=32, in_dim=16)
+        minimize(net, make_opt(), dict(num_microbatches=4, schedule=schedule))
+        for stage in staticpipe.plan_of(net.main).stages:
+            ops = lambda kind: [op.type for op in stage.sections[kind].program.global_block().ops]  # noqa: E731
+            assert ops("weight").count("mul_grad") == ops("forward").count("mul") >= 1, (stage.index, ops("weight"))
+
+
+def test_low_precision_cross_stage_sums_travel_as_float32():
+    """Pure bf16 with a global-norm clip: each stage's part of the norm is bfloat16. Parts are added by
+    the channel (numpy on threads, gloo between processes), which would add bfloat16 bit patterns as
+    integers, so the plan casts each part to float32 for the all-reduce and the total back. (Built only:
+    Paddle 2.6 has no CPU bfloat16 kernel for the clip's squared_l2_norm.)"""
+    net = build_mlp(num_stages=3, hidden=32, in_dim=16)
+    minimize(net, paddle.static.amp.bf16.decorate_bf16(
+        paddle.optimizer.SGD(0.1, multi_precision=True, grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0)),
+        use_pure_bf16=True, use_bf16_guard=False), dict(num_microbatches=2))
+    plan = staticpipe.plan_of(net.main)
+    sums = [ex for ex in plan.exchanges if ex.kind == "sum"]
+    assert sums and all(v.dtype == "float32" for ex in sums for v in ex.vars)
+    bf16 = paddle.base.core.VarDesc.VarType.BF16
+    for stage in plan.stages:
+        block = stage.sections["optimize"].program.global_block()
+        for ex in sums:
+            [reduce_op] = [op for op in block.ops if op.output_arg_names == list(ex.recv_as)]
+            [cast_back] = [op for op in block.ops if op.type == "cast" and op.input("X") == list(ex.recv_as)]
+            assert block.var(reduce_op.input_arg_names[0]).dtype == paddle.base.core.VarDesc.VarType.FP32
+            assert block.var(cast_back.output("Out")[0]).dtype == bf16

@@ -18,7 +18,7 @@ from .._paddle import ROLE_OPTIMIZE, core, framework, paddle
 from ..plan import INIT, OPTIMIZE, SEND, SUM, CutVar, Exchange, Section
 from .optimize import LOSS_SCALING_OPS, Reduction, SharedPartial, StageSlice
 from ..ir import ALLREDUCE_SUM, np_dtype
-from .programs import (MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var,
+from .programs import (LOW_PRECISION, MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var,
                        declare_merged, declare_var, merged_dtype, section_runs, zero_fill)
 from .stages import StageAssignment
 
@@ -43,9 +43,11 @@ class Exchanges:
                 f"partial gradient of shared parameter {sp.param}", sp.stage, sp.owner)
         for red in reductions:
             out = block._var_recursive(red.output)
-            part = CutVar(red.output + PARTIAL_SUFFIX, tuple(int(d) for d in out.shape), np_dtype(out), False)
-            self.reduction[red.op] = self._add(SUM, part, red.output, f"cross-stage sum of op #{red.op} "
-                                               f"'{block.ops[red.op].type}'")
+            low = out.dtype in LOW_PRECISION  # summed in float32, see _append_reduction
+            part = CutVar(red.output + PARTIAL_SUFFIX, tuple(int(d) for d in out.shape),
+                          "float32" if low else np_dtype(out), False)
+            self.reduction[red.op] = self._add(SUM, part, red.output + SUM_SUFFIX if low else red.output,
+                                               f"cross-stage sum of op #{red.op} '{block.ops[red.op].type}'")
         for i in overflow_checks:  # a flag summed as float32 (what every all-reduce takes), nonzero: overflow
             flag = block.ops[i].output("FoundInfinite")[0]
             self.reduction[i] = self._add(SUM, CutVar(flag + PARTIAL_SUFFIX, (1,), "float32", False), flag + SUM_SUFFIX,
@@ -139,18 +141,28 @@ def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction
     out = src._var_recursive(red.output)
     declare_var(dst, out)
     partial = red.output + PARTIAL_SUFFIX
-    dst.create_var(name=partial, shape=out.shape, dtype=out.dtype, persistable=False)
+    low = out.dtype in LOW_PRECISION  # float16/bfloat16 parts are added in float32 (numpy and gloo too)
+    local = partial + "@LOW" if low else partial
+    dst.create_var(name=local, shape=out.shape, dtype=out.dtype, persistable=False)
+    if low:
+        for name in (partial, red.output + SUM_SUFFIX):
+            dst.create_var(name=name, shape=out.shape, dtype=core.VarDesc.VarType.FP32, persistable=False)
     inputs = [owned.get(n, n) for n in red.inputs]
     for name in red.inputs:
         if not dst.has_var(owned.get(name, name)):
             declare_var(dst, src._var_recursive(name))
     if inputs:
-        append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [partial]})
+        append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [local]})
     else:
-        zero_fill(dst, partial, device, ROLE_OPTIMIZE)
-    op_type, attrs, x, out = ALLREDUCE_SUM
-    return append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [partial]}, outputs={out: [red.output]},
-                            attrs=attrs)
+        zero_fill(dst, local, device, ROLE_OPTIMIZE)
+    if low:
+        _cast(dst, local, partial, core.VarDesc.VarType.FP32, device)
+    op_type, attrs, x, y = ALLREDUCE_SUM
+    index = append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [partial]},
+                             outputs={y: [red.output + SUM_SUFFIX if low else red.output]}, attrs=attrs)
+    if low:
+        _cast(dst, red.output + SUM_SUFFIX, red.output, out.dtype, device)
+    return index
 
 
 def _append_stage_slice(dst: framework.Block, src: framework.Block, item: StageSlice, device: str,
@@ -162,6 +174,11 @@ def _append_stage_slice(dst: framework.Block, src: framework.Block, item: StageS
     op = src.ops[item.op]
     grads = [owned.get(n, n) for n in item.grads]
     flag = op.output("FoundInfinite")[0] if op.type == LOSS_SCALING_OPS[0] else None
+    if not grads:  # a stage training nothing (frozen layers, activations only): Paddle's kernels need an X,
+        grads = [f"{op.output_arg_names[0]}@NO_GRADIENTS"]  # and the stage still votes and keeps the state
+        if not dst.has_var(grads[0]):
+            dst.create_var(name=grads[0], shape=[1], dtype=core.VarDesc.VarType.FP32, persistable=False)
+        zero_fill(dst, grads[0], device, ROLE_OPTIMIZE)
 
     def edit(i: int, desc: core.OpDesc) -> None:
         desc.set_input("X", grads)

@@ -139,18 +139,18 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             by_section[SectionRef(assignment.stage[i], FORWARD if role == FWD else BACKWARD)].append(i)
     grads = param_grads(block, assignment)
     partials, drop_in = shared_partials(block, assignment, grads)
+    held = step_values(block, assignment)
     drop_out: dict[SectionRef, Drops] = defaultdict(dict)
     if split_backward:
         if recompute:
             raise ValueError("recompute is not supported with schedules that split the backward (ZB-H1, ZB-V) yet")
-        params = {prm.name for prm in block.all_parameters()}
+        params = {prm.name for prm in block.all_parameters()} | held  # AMP's copies: their gradients are W's too
         for s in range(p):
             b, w = SectionRef(s, BACKWARD), SectionRef(s, WEIGHT)
             by_section[b], drop_out[b], by_section[w], drop_out[w] = split_weight_gradients(
                 block, by_section[b], params)
     kinds = PER_MICROBATCH if split_backward else (FORWARD, BACKWARD)
     order = sorted((SectionRef(s, k) for s in range(p) for k in kinds), key=lambda r: r.order(p))
-    held = step_values(block, assignment)
     secs = {ref: _analyse(block, ref, by_section.get(ref, []), drop_in, drop_out[ref], held) for ref in order}
 
     producer: dict[str, SectionRef] = {}

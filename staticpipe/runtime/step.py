@@ -17,6 +17,7 @@ from typing import Any
 
 from .._paddle import core, np, paddle
 from ..io import FeedSpec, split_microbatches
+from ..ir import as_fetched, as_float
 from ..placement import generic_place
 from ..plan import FORWARD, FORWARD_ONLY, OPTIMIZE, PER_MICROBATCH, Plan
 from .devices import Devices
@@ -183,26 +184,29 @@ class StepRunner:
     def _replica_value(self, plan: Plan, name: str, value: np.ndarray) -> np.ndarray:
         """A fetched mean (loss, metric) over the whole global batch: the mean of the replicas' means
         (equal slices). Batched values stay this replica's rows."""
-        if plan.dp_degree == 1 or self._is_batched(plan, name):
+        batched, dtype = self._declared(plan, name)
+        if plan.dp_degree == 1 or batched:
             return value
-        mean = self.devices.channel_for(plan).replica_mean(np.ascontiguousarray(value))
-        return mean.reshape(np.shape(value))
+        mean = self.devices.channel_for(plan).replica_mean(np.ascontiguousarray(as_float(value, dtype)))
+        return as_fetched(mean, value, dtype).reshape(np.shape(value))
 
     def _combine(self, plan: Plan, name: str, values: list[np.ndarray]) -> np.ndarray:
         """Per-micro-batch values of one step as one value: batched values (dim 0 is -1 in the program)
         are concatenated; others (mean losses, metrics) are averaged, which equals the full-batch value of
         a mean over the batch."""
-        if self._is_batched(plan, name):
+        batched, dtype = self._declared(plan, name)
+        if batched:
             return np.concatenate(values, axis=0)
-        return np.mean(np.stack(values), axis=0).astype(values[0].dtype)
+        return as_fetched(np.mean(np.stack([as_float(v, dtype) for v in values]), axis=0), values[0], dtype)
 
-    def _is_batched(self, plan: Plan, name: str) -> bool:
-        """Whether per-micro-batch value ``name`` has the batch as its first dimension (-1 in the program)."""
+    def _declared(self, plan: Plan, name: str) -> tuple[bool, Any]:
+        """Whether per-micro-batch value ``name`` has the batch as its first dimension (-1 in the program),
+        and its Paddle dtype."""
         key = (plan, name)
         if key not in self._batched:
             ref = plan.producers[name]
-            shape = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name).shape
-            self._batched[key] = len(shape) > 0 and shape[0] == -1
+            var = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name)
+            self._batched[key] = (len(var.shape) > 0 and var.shape[0] == -1, var.dtype)
         return self._batched[key]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .._paddle import framework, np
-from ..ir import var_names
+from ..ir import as_float, var_names
 from ..plan import attach_plan, plan_of
 from ..rewrite import build_forward_plan
 
@@ -21,11 +21,12 @@ def evaluate(exe: "Executor", program: framework.Program, dataset: Any, fetch_li
         attach_plan(build_forward_plan(program, num_microbatches, chunked,
                                        dp_degree=trained.dp_degree if trained is not None else 1), program)
     names = var_names(fetch_list)
+    dtypes = [program.global_block()._var_recursive(n).dtype for n in names]
     totals, samples = None, 0
     for batch in dataset.epoch():
         n = len(next(iter(batch.values())))
-        weighted = [None if v is None else np.asarray(v, dtype=np.float64) * n
-                    for v in exe.run(program, feed=batch, fetch_list=names)]
+        weighted = [None if v is None else as_float(v, dtype).astype(np.float64) * n
+                    for v, dtype in zip(exe.run(program, feed=batch, fetch_list=names), dtypes)]
         totals = weighted if totals is None else [None if t is None else t + w for t, w in zip(totals, weighted)]
         samples += n
     if totals is None:
