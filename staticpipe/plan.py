@@ -227,6 +227,16 @@ class Plan:
         """Stages whose state holds persistable ``name``."""
         return [s.index for s in self.stages if name in s.persistables]
 
+    def rank_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(sender, receiver) pipeline ranks of every message the plan can send between two ranks: its routes,
+        its optimize exchanges, and each rank's state to rank 0 (checkpoints). A job of several processes
+        makes a point-to-point group for these pairs only, not for every pair of ranks."""
+        stage_pairs = [(r.src.stage, r.dst.stage) for r in self.routes]
+        stage_pairs += [(e.src, e.dst) for e in self.exchanges if e.kind == SEND]
+        pairs = {(self.stages[a].rank, self.stages[b].rank) for a, b in stage_pairs}
+        pairs |= {(r, 0) for r in range(1, len(self.ranks))}
+        return tuple(sorted((a, b) for a, b in pairs if a != b))
+
     def stages_of_process(self, world: tuple[int, int] | None) -> list[Stage]:
         """The stages the process ``world`` = (rank, size) of a launched job runs; every stage for None
         (one process)."""

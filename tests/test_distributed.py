@@ -270,3 +270,18 @@ def test_data_parallel_plans_need_one_process_per_device_and_replica():
                               "launch 4 processes (one per device x dp_degree 2)")
     with pytest.raises(ValueError, match=r"^dp_degree must be an integer >= 1, got 0$"):
         staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), dp_degree=0)
+
+
+def test_point_to_point_groups_only_for_the_pairs_a_plan_sends_on():
+    """A job makes a gloo group per (sender, receiver) pair the plan sends on: its routes (neighbours and
+    skip connections), its optimize exchanges (a tied parameter's partial gradient to its owner, the new
+    value back) and every rank's state to rank 0 for checkpoints; not all p(p-1) pairs."""
+    net = build_mlp(num_stages=4)
+    minimize(net, paddle.optimizer.SGD(0.1), dict(num_microbatches=4))
+    assert staticpipe.plan_of(net.main).rank_pairs() == ((0, 1), (1, 0), (1, 2), (2, 0), (2, 1), (2, 3), (3, 0),
+                                                         (3, 2))
+    gpt = build_gpt(num_stages=4)
+    minimize(gpt, paddle.optimizer.SGD(0.1), dict(num_microbatches=4))
+    plan = staticpipe.plan_of(gpt.main)
+    assert plan.shared and (0, 3) in plan.rank_pairs() and (3, 0) in plan.rank_pairs()
+    assert len(plan.rank_pairs()) == 9  # the MLP's 8 and the tied embedding's new value, rank 0 -> 3

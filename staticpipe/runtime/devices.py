@@ -91,6 +91,7 @@ class Devices:
             pipeline = len(plan.ranks)
             channel = self._channels[layout] = DistributedChannel(
                 [s.rank for s in plan.stages], pipeline, self.place_of(plan.ranks[self.world[0] % pipeline]))
+        channel.connect(plan.rank_pairs())  # a no-op once the layout's groups cover this plan's messages
         return channel
 
     def close(self) -> None:
