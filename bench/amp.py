@@ -4,7 +4,8 @@ Each precision trains the same pipelined model in a process of its own (so one r
 thread state cannot help another), rounds alternating, and prints side by side:
 - step time (median over the timed steps of every round) and its ratio to fp32;
 - per stage, the peak bytes of the activations a forward keeps for its backward (staticpipe's count);
-- the bytes one micro-batch sends across the first cut, from the plan's cut variables.
+- the bytes one micro-batch sends across the first cut, from the plan's cut variables;
+- the bytes of AMP's low-precision parameter copies, which every stage holds once for all micro-batches.
 
 Precisions: "fp32"; "fp16-O1" (``paddle.static.amp.decorate``: on CPU no op is cast, so this is the cost
 of dynamic loss scaling itself: the overflow check of every gradient, the flag all-reduced over the
@@ -65,7 +66,8 @@ def run_one(args) -> dict:
         times.append(time.perf_counter() - start)
     stats = exe.memory_stats()
     exe.close()
-    return {"times": times, "kept": {s: m["peak_activation_bytes"] for s, m in stats.items()}, "message": message}
+    return {"times": times, "kept": {s: m["peak_activation_bytes"] for s, m in stats.items()}, "message": message,
+            "copies": sum(m["step_value_bytes"] for m in stats.values())}
 
 
 def _prod(shape) -> int:
@@ -102,19 +104,21 @@ def main() -> None:
                    "--precision", precision]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             got = json.loads(out.strip().splitlines()[-1])
-            entry = results.setdefault(precision, {"times": [], "kept": got["kept"], "message": got["message"]})
+            entry = results.setdefault(precision, {"times": [], "kept": got["kept"], "message": got["message"],
+                                                   "copies": got["copies"]})
             entry["times"] += got["times"]
     print(f"{args.model}, {args.stages} stages, {args.microbatches} micro-batches of {args.batch // args.microbatches}, "
           f"1F1B, {args.rounds} rounds x {args.steps} steps, precisions alternating")
     stages = sorted(results["fp32"]["kept"], key=int)
     print(f"{'precision':<10} {'s/step':>8} {'vs fp32':>8} {'message KiB':>12} "
-          + " ".join(f"{'kept MiB s' + str(s):>13}" for s in stages))
+          + " ".join(f"{'kept MiB s' + str(s):>13}" for s in stages) + f" {'param copies MiB':>17}")
     base = statistics.median(results["fp32"]["times"])
     for precision in precisions:
         r = results[precision]
         step = statistics.median(r["times"])
         kept = " ".join(f"{r['kept'][s] / 2**20:13.2f}" for s in stages)
-        print(f"{precision:<10} {step:8.3f} {step / base:7.2f}x {r['message'] / 1024:12.1f} {kept}")
+        print(f"{precision:<10} {step:8.3f} {step / base:7.2f}x {r['message'] / 1024:12.1f} {kept} "
+              f"{r['copies'] / 2**20:17.2f}")
 
 
 if __name__ == "__main__":

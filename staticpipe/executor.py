@@ -212,11 +212,13 @@ class Executor:
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         """Per stage, the peak activation bytes and micro-batches held between forward and backward
-        since the executor was created (or ``reset_memory_stats``)."""
+        since the executor was created (or ``reset_memory_stats``), and the bytes of the values it holds
+        once for all its micro-batches (AMP's low-precision parameter copies; 0 without AMP)."""
         stats = {}
         for worker in self._devices.workers.values():
             for stage, m in worker.memory.items():
-                stats[stage] = {"peak_activation_bytes": m.peak_bytes, "peak_inflight_microbatches": m.peak_microbatches}
+                stats[stage] = {"peak_activation_bytes": m.peak_bytes, "peak_inflight_microbatches": m.peak_microbatches,
+                                "step_value_bytes": m.step_value_bytes or 0}
         return dict(sorted(stats.items()))
 
     def reset_memory_stats(self) -> None:

@@ -175,6 +175,7 @@ class Stage:
     persistables: tuple[str, ...] = ()  # every persistable variable this stage reads or writes
     grad_buffers: tuple[str, ...] = ()  # per-step gradient accumulators (not part of the state)
     recompute: bool = False  # forward activations are recomputed in the backward section
+    step_values: tuple[str, ...] = ()  # held once per step for all micro-batches (AMP's parameter copies)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sections", MappingProxyType(dict(self.sections)))

@@ -409,10 +409,15 @@ def test_bf16_parameter_copies_are_held_once_per_stage_not_per_micro_batch():
         exe.run(net.main, feed=net.random_batch(32))
         stats, state = exe.memory_stats(), exe.state_dict(net.main)
         exe.close()
-        return {s: m["peak_activation_bytes"] for s, m in stats.items()}, sorted(state)
+        step_values = {s: m["step_value_bytes"] for s, m in stats.items()}
+        params = {s: sum(state[p].nbytes for p in stage.parameters)
+                  for s, stage in enumerate(staticpipe.plan_of(net.main).stages)}
+        return {s: m["peak_activation_bytes"] for s, m in stats.items()}, sorted(state), step_values, params
 
-    fp32, fp32_state = kept(adamw_clipped)
-    bf16, bf16_state = kept(lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped()))
+    fp32, fp32_state, none, _ = kept(adamw_clipped)
+    bf16, bf16_state, copies, params = kept(lambda: paddle.static.amp.bf16.decorate_bf16(adamw_clipped()))
+    assert none == {0: 0, 1: 0}
+    assert copies == {s: params[s] // 2 for s in params}  # one bf16 copy of each float32 parameter, counted
     assert sorted(bf16) == sorted(fp32) == [0, 1]
     assert all(0 < bf16[s] < 0.55 * fp32[s] for s in fp32), (bf16, fp32)
     assert bf16_state == fp32_state

@@ -235,6 +235,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             index=s, device=device, rank=stage_ranks[s], sections=sections, recompute=s in recompute,
             parameters=tuple(n for n, st in assignment.param_stage.items() if st == s),
             grad_buffers=tuple(g + MERGED_SUFFIX for g in merge),
+            step_values=tuple(sorted(held & {v.name for sec in sections.values() for v in sec.program.list_vars()})),
             persistables=tuple(sorted({v.name for sec in sections.values() for v in sec.program.list_vars()
                                        if v.persistable and v.name not in merge and v.name not in held}))))
     return (stages, routes, exchanges.records, {k: tuple(v) for k, v in data_vars.items()}, producer,

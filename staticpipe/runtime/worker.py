@@ -90,6 +90,7 @@ class MemoryStats:
     inflight_microbatches: int = 0
     peak_bytes: int = 0
     peak_microbatches: int = 0
+    step_value_bytes: int | None = None  # held once for all micro-batches (AMP's parameter copies)
 
     def add(self, nbytes: int, microbatches: int) -> None:
         self.inflight_bytes += nbytes
@@ -211,7 +212,10 @@ class DeviceWorker:
         self.execute(section.run, scope, names)
         if a.kind is Kind.F:
             held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, a.microbatch, scope)
-            self.memory.setdefault(a.stage, MemoryStats()).add(held, 1)
+            stats = self.memory.setdefault(a.stage, MemoryStats())
+            stats.add(held, 1)
+            if stats.step_value_bytes is None:  # once: their sizes are the parameters'
+                stats.step_value_bytes = sum(tensor_bytes(self.scope, n) for n in job.plan.stages[a.stage].step_values)
         for name in names:
             result.fetched.setdefault(name, []).append(np.array(tensor_of(scope, name, a)))
 
