@@ -17,6 +17,7 @@ pipeline's float32 accumulation is the reference's, to 1e-5).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -584,3 +585,15 @@ def test_low_precision_cross_stage_sums_travel_as_float32():
             [cast_back] = [op for op in block.ops if op.type == "cast" and op.input("X") == list(ex.recv_as)]
             assert block.var(reduce_op.input_arg_names[0]).dtype == paddle.base.core.VarDesc.VarType.FP32
             assert block.var(cast_back.output("Out")[0]).dtype == bf16
+
+
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_the_gpt_example_trains_with_amp(amp, tmp_path):
+    """examples/train_gpt.py --amp: verify passes at the precision's tolerance, the loss falls."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, os.path.join(repo, "examples", "train_gpt.py"), "--steps", "6",
+                             "--amp", amp], capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^staticpipe\.verify: OK after 3 steps", result.stdout, re.M), result.stdout[-3000:]
+    first, last = (float(x) for x in re.search(r"loss ([\d.]+) -> ([\d.]+);", result.stdout).groups())
+    assert last < first
