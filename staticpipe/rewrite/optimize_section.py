@@ -18,8 +18,8 @@ from .._paddle import ROLE_OPTIMIZE, core, framework, paddle
 from ..plan import INIT, OPTIMIZE, SEND, SUM, CutVar, Exchange, Section
 from .optimize import LOSS_SCALING_OPS, Reduction, SharedPartial, StageSlice
 from ..ir import ALLREDUCE_SUM, np_dtype
-from .programs import (LOW_PRECISION, MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var,
-                       declare_merged, declare_var, merged_dtype, section_runs, zero_fill)
+from .programs import (LOW_PRECISION, MERGED_SUFFIX, append_cast, append_comm_op, append_tagged_op, copy_ops,
+                       cut_var, declare_merged, declare_var, merged_dtype, section_runs, zero_fill)
 from .stages import StageAssignment
 
 PARTIAL_SUFFIX = "@STAGE_PARTIAL"
@@ -42,22 +42,24 @@ class Exchanges:
                 SEND, cut_var(block, sp.name, sp.name + MERGED_SUFFIX, merged=True), f"{sp.name}{MERGED_SUFFIX}@FROM_STAGE_{sp.stage}",
                 f"partial gradient of shared parameter {sp.param}", sp.stage, sp.owner)
         for red in reductions:
-            out = block._var_recursive(red.output)
-            low = out.dtype in LOW_PRECISION  # summed in float32, see _append_reduction
-            part = CutVar(red.output + PARTIAL_SUFFIX, tuple(int(d) for d in out.shape),
-                          "float32" if low else np_dtype(out), False)
-            self.reduction[red.op] = self._add(SUM, part, red.output + SUM_SUFFIX if low else red.output,
-                                               f"cross-stage sum of op #{red.op} '{block.ops[red.op].type}'")
-        for i in overflow_checks:  # a flag summed as float32 (what every all-reduce takes), nonzero: overflow
-            flag = block.ops[i].output("FoundInfinite")[0]
-            self.reduction[i] = self._add(SUM, CutVar(flag + PARTIAL_SUFFIX, (1,), "float32", False), flag + SUM_SUFFIX,
-                                          f"overflow flag of op #{i} '{block.ops[i].type}', or-ed over the stages")
+            self.reduction[red.op] = self._add_sum(block._var_recursive(red.output), f"cross-stage sum of op "
+                                                   f"#{red.op} '{block.ops[red.op].type}'")
+        for i in overflow_checks:  # nonzero sum: some stage overflowed
+            self.reduction[i] = self._add_sum(block._var_recursive(block.ops[i].output("FoundInfinite")[0]),
+                                              f"overflow flag of op #{i} '{block.ops[i].type}', or-ed over the stages")
         for param, readers in sorted(assignment.shared.items()):
             owner = assignment.param_stage[param]
             for peer in readers:
                 if peer != owner:
                     self.value[(param, peer)] = self._add(SEND, cut_var(block, param), param,
                                                           f"new value of shared parameter {param}", owner, peer)
+
+    def _add_sum(self, out: framework.Variable, why: str) -> Exchange:
+        """The sum over the stages of each stage's part of ``out`` (see ``_append_sum_over_stages``)."""
+        cast = _sums_in_float32(out.dtype)
+        part = CutVar(out.name + PARTIAL_SUFFIX, tuple(int(d) for d in out.shape),
+                      "float32" if cast else np_dtype(out), False)
+        return self._add(SUM, part, out.name + SUM_SUFFIX if cast else out.name, why)
 
     def _add(self, kind: str, var: CutVar, recv_as: str, why: str, src: int = -1, dst: int = -1) -> Exchange:
         record = Exchange(len(self.records), kind, (var,), (recv_as,), why, src, dst)
@@ -96,8 +98,7 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
 
     for g in [g for g, merged in owned.items() if dst.var(merged).dtype != block._var_recursive(g).dtype]:
         declare_var(dst, block._var_recursive(g))  # the update reads the gradient in its own dtype, once
-        append_tagged_op(dst, "cast", device, ROLE_OPTIMIZE, inputs={"X": [owned[g]]}, outputs={"Out": [g]},
-                         attrs={"in_dtype": dst.var(owned[g]).dtype, "out_dtype": dst.var(g).dtype})
+        append_cast(dst, owned[g], g, dst.var(g).dtype, device, ROLE_OPTIMIZE)
         del owned[g]
 
     def read_merged(i: int, desc: core.OpDesc) -> None:
@@ -140,13 +141,8 @@ def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction
     returns the index of the all-reduce op."""
     out = src._var_recursive(red.output)
     declare_var(dst, out)
-    partial = red.output + PARTIAL_SUFFIX
-    low = out.dtype in LOW_PRECISION  # float16/bfloat16 parts are added in float32 (numpy and gloo too)
-    local = partial + "@LOW" if low else partial
+    local = red.output + PARTIAL_SUFFIX + ("@LOCAL" if _sums_in_float32(out.dtype) else "")
     dst.create_var(name=local, shape=out.shape, dtype=out.dtype, persistable=False)
-    if low:
-        for name in (partial, red.output + SUM_SUFFIX):
-            dst.create_var(name=name, shape=out.shape, dtype=core.VarDesc.VarType.FP32, persistable=False)
     inputs = [owned.get(n, n) for n in red.inputs]
     for name in red.inputs:
         if not dst.has_var(owned.get(name, name)):
@@ -155,14 +151,7 @@ def _append_reduction(dst: framework.Block, src: framework.Block, red: Reduction
         append_tagged_op(dst, "sum", device, ROLE_OPTIMIZE, inputs={"X": inputs}, outputs={"Out": [local]})
     else:
         zero_fill(dst, local, device, ROLE_OPTIMIZE)
-    if low:
-        _cast(dst, local, partial, core.VarDesc.VarType.FP32, device)
-    op_type, attrs, x, y = ALLREDUCE_SUM
-    index = append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [partial]},
-                             outputs={y: [red.output + SUM_SUFFIX if low else red.output]}, attrs=attrs)
-    if low:
-        _cast(dst, red.output + SUM_SUFFIX, red.output, out.dtype, device)
-    return index
+    return _append_sum_over_stages(dst, local, red.output, device)
 
 
 def _append_stage_slice(dst: framework.Block, src: framework.Block, item: StageSlice, device: str,
@@ -192,22 +181,32 @@ def _append_stage_slice(dst: framework.Block, src: framework.Block, item: StageS
     if flag is not None:
         declare_var(dst, src._var_recursive(flag))
         dst.create_var(name=flag + "@LOCAL", shape=[1], dtype=core.VarDesc.VarType.BOOL, persistable=False)
-        for name in (flag + PARTIAL_SUFFIX, flag + SUM_SUFFIX):
-            dst.create_var(name=name, shape=[1], dtype=core.VarDesc.VarType.FP32, persistable=False)
     copy_ops(dst, src, [item.op], edit=edit)
-    if flag is None:
-        return None
-    _cast(dst, flag + "@LOCAL", flag + PARTIAL_SUFFIX, core.VarDesc.VarType.FP32, device)
-    op_type, attrs, x, out = ALLREDUCE_SUM
-    index = append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [flag + PARTIAL_SUFFIX]},
-                             outputs={out: [flag + SUM_SUFFIX]}, attrs=attrs)
-    _cast(dst, flag + SUM_SUFFIX, flag, core.VarDesc.VarType.BOOL, device)
+    return None if flag is None else _append_sum_over_stages(dst, flag + "@LOCAL", flag, device)
+
+
+def _sums_in_float32(dtype: int) -> bool:
+    """Whether a value of ``dtype`` crosses the stages as float32: the channels add numbers (numpy would add
+    bfloat16's uint16 bit patterns as integers, and gloo takes no bool), and float16 parts add more exactly."""
+    return dtype in LOW_PRECISION or dtype == core.VarDesc.VarType.BOOL
+
+
+def _append_sum_over_stages(dst: framework.Block, local: str, out: str, device: str) -> int:
+    """All-reduce this stage's part ``local`` into ``out`` (declared in ``dst``), through float32 where
+    ``_sums_in_float32`` (a bool flag comes back true where any stage's was); ``local`` is ``out``'s
+    ``PARTIAL_SUFFIX`` name otherwise. Returns the all-reduce op's index: the exchange happens there."""
+    dtype, partial, total = dst.var(out).dtype, out + PARTIAL_SUFFIX, out + SUM_SUFFIX
+    cast = _sums_in_float32(dtype)
+    if cast:
+        for name in (partial, total):
+            dst.create_var(name=name, shape=dst.var(out).shape, dtype=core.VarDesc.VarType.FP32, persistable=False)
+        append_cast(dst, local, partial, core.VarDesc.VarType.FP32, device, ROLE_OPTIMIZE)
+    op_type, attrs, x, y = ALLREDUCE_SUM
+    index = append_tagged_op(dst, op_type, device, ROLE_OPTIMIZE, inputs={x: [partial]},
+                             outputs={y: [total if cast else out]}, attrs=attrs)
+    if cast:
+        append_cast(dst, total, out, dtype, device, ROLE_OPTIMIZE)
     return index
-
-
-def _cast(dst: framework.Block, x: str, out: str, dtype: int, device: str) -> None:
-    append_tagged_op(dst, "cast", device, ROLE_OPTIMIZE, inputs={"X": [x]}, outputs={"Out": [out]},
-                     attrs={"in_dtype": dst.var(x).dtype, "out_dtype": dtype})
 
 
 def init_section(block: framework.Block, stage: int, device: str, merge: dict[str, str]) -> Section:

@@ -65,6 +65,12 @@ def append_tagged_op(block: framework.Block, op_type: str, device: str, role: in
     return len(block.ops) - 1
 
 
+def append_cast(block: framework.Block, x: str, out: str, dtype: int, device: str, role: int) -> int:
+    """Append a ``cast`` of ``x`` into ``out`` (both declared in ``block``) to ``dtype``; returns its index."""
+    return append_tagged_op(block, "cast", device, role, inputs={"X": [x]}, outputs={"Out": [out]},
+                            attrs={"in_dtype": block.var(x).dtype, "out_dtype": dtype})
+
+
 def append_comm_op(block: framework.Block, op_type: str, var: CutVar, peer: int, device: str,
                    role: int, micro_batch_size: int | None) -> int:
     """Append a ``send_v2`` or ``recv_v2`` op moving ``var`` to or from stage ``peer``; returns its index."""

@@ -21,8 +21,8 @@ from ..ir import arg_names
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, Exchange, Route, Section, SectionRef, Stage
 from .optimize import LOSS_SCALING_OPS, Reduction, StageSlice, place_optimize_ops, shared_partials
 from .optimize_section import Exchanges, init_section, optimize_section
-from .programs import (MERGED_SUFFIX, append_comm_op, append_tagged_op, copy_ops, cut_var, declare_merged, declare_var,
-                       section_runs)
+from .programs import (MERGED_SUFFIX, append_cast, append_comm_op, append_tagged_op, copy_ops, cut_var, declare_merged,
+                       declare_var, section_runs)
 from .stages import BWD, FWD, OPT, StageAssignment, grad_base, op_label
 
 RECOMPUTE_SUFFIX = "@RECOMPUTE"
@@ -323,8 +323,7 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
         merged = declare_merged(dst, block, g)
         if dst.var(merged).dtype != dst.var(g).dtype:  # a low-precision gradient adds up in float32
             dst.create_var(name=g + "@FP32", shape=dst.var(g).shape, dtype=dst.var(merged).dtype)
-            append_tagged_op(dst, "cast", device, ROLE_BACKWARD, inputs={"X": [g]}, outputs={"Out": [g + "@FP32"]},
-                             attrs={"in_dtype": dst.var(g).dtype, "out_dtype": dst.var(merged).dtype})
+            append_cast(dst, g, g + "@FP32", dst.var(merged).dtype, device, ROLE_BACKWARD)
             g += "@FP32"
         append_tagged_op(dst, "sum", device, ROLE_BACKWARD, inputs={"X": [merged, g]}, outputs={"Out": [merged]})
     for r in sends:

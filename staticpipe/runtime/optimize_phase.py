@@ -88,7 +88,6 @@ def _walk(worker: "DeviceWorker", job: "StepJob", stage: int, sent: set[int]) ->
     first to finish would free what the other still reads. Persistables resolve to the device's scope."""
     plan = job.plan
     section = plan.stages[stage].sections[OPTIMIZE]
-    persistables = set(plan.stages[stage].persistables)
     if job.channel.replicas > 1:
         _average_replicas(worker, job.channel, plan.stages[stage].grad_buffers)
     scope = worker.borrow_scope()
@@ -108,7 +107,9 @@ def _walk(worker: "DeviceWorker", job: "StepJob", stage: int, sent: set[int]) ->
             else:
                 message = yield ex, None
                 for var, name in zip(ex.vars, ex.recv_as):
-                    worker.put(worker.scope if name in persistables else scope, name, message[var.name])
+                    # a shared parameter's new value is state (the device's scope), a partial gradient is not
+                    worker.put(worker.scope if name in plan.stages[stage].persistables else scope, name,
+                               message[var.name])
     finally:
         worker.return_scope(scope, job.program.optimize_leftovers[stage])
 
