@@ -116,7 +116,10 @@ def _distinct_init_seeds(startup: paddle.static.Program, seed: int) -> None:
     ops = [op for op in startup.global_block().ops if op.has_attr("seed")]
     seeds = np.random.default_rng(seed).integers(1, 2**31 - 1, size=len(ops))
     for op, op_seed in zip(ops, seeds):
-        op._set_attr("seed", int(op_seed))
+        if hasattr(op, "_set_attr"):
+            op._set_attr("seed", int(op_seed))
+        else:  # a PIR op
+            op.set_int_attr("seed", int(op_seed))
 
 
 def build_classifier(

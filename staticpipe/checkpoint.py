@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from . import pickled_arrays
 from ._paddle import framework, np
 from .atomic import atomic_directory, recover_directory
-from .ir import np_dtype
+from .ir import np_dtype, program_view
 
 if TYPE_CHECKING:
     from .executor import Executor
@@ -41,6 +41,7 @@ WHAT = "a checkpoint"
 
 def _state_vars(program: framework.Program) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(parameters, other persistable state) of ``program``, each name -> (shape, numpy dtype name)."""
+    program = program_view(program)
     params = {p.name: (tuple(p.shape), np_dtype(p)) for p in program.global_block().all_parameters()}
     others = {v.name: (tuple(v.shape), np_dtype(v)) for v in program.list_vars()
               if v.persistable and v.name not in params and "@GRAD" not in v.name

@@ -123,7 +123,7 @@ class Executor:
 
     def _pipelined(self, program: framework.Program, plan: Plan, fetch_list: Sequence | None, run: Any) -> list:
         state.set_learning_rate(self._devices, program, plan)
-        return run(var_names(fetch_list))
+        return run(var_names(fetch_list, program))
 
     def train_from_dataset(self, program: framework.Program | None = None, dataset: Any = None, scope: Any = None,
                            thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,

@@ -1,9 +1,10 @@
-"""The few facts of Paddle's legacy program IR that every layer reads, each stated once.
+"""The few facts of a Paddle program that every layer reads, each stated once, for both program IRs.
 
 Why a module of its own: the rewrite, the runtime, partitioning and checkpoints all need a variable's
-numpy dtype, an op's real argument names, a tensor's size in bytes or a program without device tags,
-and the same small rule written in four places drifts. This is also the seam where a second program
-IR (Paddle 3's PIR) will plug in.
+numpy dtype, an op's real argument names, a tensor's size in bytes, the variables a section declares or
+a program without device tags, and the same small rule written in four places drifts. It is also the
+seam between the two IRs: what differs for a PIR program (``pir_ir.py``) is answered here for both, so
+the layers above ask one question whichever IR the plan was built from.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import functools
 from typing import Any, Iterable, Sequence
 
 from ._paddle import OP_DEVICE, PADDLE_MAJOR, core, framework, np, paddle
+from .pir_ir import VIEW, is_pir_program, is_pir_value, section_values, value_name
 
 EMPTY_VAR = core.kEmptyVarName() if hasattr(core, "kEmptyVarName") else "@EMPTY@"
 # the legacy all-reduce-sum op: Paddle 3.x removed c_allreduce_sum for all_reduce (reduce_type 0: sum)
@@ -51,19 +53,63 @@ def arg_names(names: Iterable[str]) -> list[str]:
     return [n for n in names if n and n != EMPTY_VAR]
 
 
-def var_names(items: Sequence | Any | None) -> list[str]:
-    """Names of variables given as ``Variable`` objects or as names (a ``fetch_list``); one variable or
-    name alone counts as a list of it, as in Paddle."""
+def var_names(items: Sequence | Any | None, program: Any = None) -> list[str]:
+    """Names of variables given as ``Variable`` objects (PIR values of ``program``) or as names (a
+    ``fetch_list``); one variable or name alone counts as a list of it, as in Paddle."""
     if items is None:
         return []
-    if isinstance(items, (str, framework.Variable)):
+    if isinstance(items, str) or isinstance(items, framework.Variable) or is_pir_value(items):
         items = [items]
     names = []
     for k, item in enumerate(items):
+        if is_pir_value(item):
+            names.append(value_name(program, item, f"fetch_list[{k}]"))
+            continue
         if not isinstance(item, (str, framework.Variable)):
             raise ValueError(f"fetch_list[{k}] must be a variable or its name, got {type(item).__name__}: {item!r}")
         names.append(item if isinstance(item, str) else item.name)
     return names
+
+
+def program_view(program: Any) -> Any:
+    """``program`` as the passes read it: itself (legacy IR), or the ``PirView`` its plan was built from
+    (a PIR program pipelined by ``PipelineOptimizer.minimize``)."""
+    if not is_pir_program(program):
+        return program
+    view = getattr(program, VIEW, None)
+    if view is None:
+        raise ValueError("this PIR program was not pipelined by staticpipe.PipelineOptimizer.minimize")
+    return view
+
+
+def fetch_target(program: Any, name: str) -> Any:
+    """What Paddle's own executor fetches for variable ``name`` of ``program``: the name (legacy IR), or
+    the value the rewrite named so (PIR, whose values mostly have no name of their own)."""
+    return program_view(program).var(name).value if is_pir_program(program) else name
+
+
+def declared(program: Any) -> list[tuple[str, bool]]:
+    """(name, persistable) of every variable a section program declares, on either IR."""
+    if is_pir_program(program):
+        return [(name, bool(v.persistable)) for name, v in section_values(program).items()]
+    return [(v.name, v.persistable) for v in program.list_vars()]
+
+
+def declared_var(program: Any, name: str) -> tuple[tuple[int, ...], Any]:
+    """(shape, Paddle dtype) of variable ``name`` of a section program, on either IR."""
+    if is_pir_program(program):
+        value = section_values(program)[name]
+        return tuple(int(d) for d in value.shape), value.dtype
+    var = program.global_block()._var_recursive(name)
+    return tuple(var.shape), var.dtype
+
+
+def num_compute_ops(program: Any, comm_types: Sequence[str]) -> int:
+    """Ops of a section program that compute (not the ``comm_types`` ops the rewrite added)."""
+    ops = program.global_block().ops
+    if is_pir_program(program):
+        return len(ops)
+    return sum(1 for op in ops if op.type not in comm_types)
 
 
 def tensor_bytes(scope: core._Scope, name: str) -> int:
@@ -85,7 +131,10 @@ def tensor_of(scope: core._Scope, name: str, where: object) -> core.LoDTensor:
 
 def clear_device_tags(program: framework.Program) -> framework.Program:
     """``program`` with every ``op_device`` emptied (in place). A worker runs every op of its stage on
-    its own place; a "gpu:k" tag would move the op to GPU k (or warn on a CPU build)."""
+    its own place; a "gpu:k" tag would move the op to GPU k (or warn on a CPU build). PIR's executor
+    does not read the tag staticpipe writes on PIR ops: a PIR program is returned as it is."""
+    if is_pir_program(program):
+        return program
     for op in program.global_block().ops:
         if op.has_attr(OP_DEVICE):
             op._set_attr(OP_DEVICE, "")

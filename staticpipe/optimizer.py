@@ -13,6 +13,7 @@ from typing import Any
 
 from . import placement
 from ._paddle import OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, framework, paddle
+from .pir_ir import NAMES, VIEW, Gradients, PirView, differentiate, is_pir_value
 from .placement import split_points_kept
 from .plan import Plan, attach_plan, plan_of
 from .rewrite import PlanOptions, check_layout, plan_with
@@ -86,11 +87,11 @@ class PipelineOptimizer:
 
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
                  parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:
+        if is_pir_value(loss):
+            return self._minimize_pir(loss, startup_program, parameters, no_grad_set)
         if not isinstance(loss, framework.Variable):
-            raise ValueError(f"minimize: the loss is a {type(loss).__module__}.{type(loss).__qualname__}, not a variable of "
-                             "Paddle's legacy program IR; staticpipe pipelines legacy-IR programs only, and PIR "
-                             "programs (Paddle 3's default) not yet: build the program outside "
-                             "paddle.pir_utils.IrGuard and without STATICPIPE_LEGACY_IR=0")
+            raise ValueError(f"minimize: the loss is a {type(loss).__module__}.{type(loss).__qualname__}, not a variable "
+                             "of a Paddle static program (legacy IR or PIR)")
         program = loss.block.program
         if plan_of(program) is not None:
             raise ValueError("minimize was already called on this program: it holds a pipeline plan (and the "
@@ -111,6 +112,37 @@ class PipelineOptimizer:
                              "program: nothing would ever train; wrap a paddle.optimizer.Optimizer")
         self.plan = plan_with(program, loss.name, self.options)
         attach_plan(self.plan, program, startup)
+        return result
+
+    def _minimize_pir(self, loss: Any, startup_program: Any, parameters: Any, no_grad_set: Any) -> tuple[list, list]:
+        """``minimize`` of a PIR program (Paddle 3's default IR): the same plan from the same passes, read
+        through ``pir_ir.PirView``; what the PIR builders do not build yet is refused by name."""
+        program = loss.block.program
+        if plan_of(program) is not None:
+            raise ValueError("minimize was already called on this program: it holds a pipeline plan; build the "
+                             "program again to minimize it anew")
+        if any(op.op_role in (ROLE_BACKWARD, ROLE_OPTIMIZE) for op in program.global_block().ops):
+            raise ValueError("this program already holds backward ops: minimize (or paddle.autograd.ir_backward) ran "
+                             "on it before; build the program again to minimize it anew")
+        refused = [what for what, used in (
+            ("AMP (paddle.static.amp)", type(self.inner).__module__.startswith("paddle.static.amp.")),
+            ("global-norm clipping (ClipGradByGlobalNorm)",
+             isinstance(getattr(self.inner, "_grad_clip", None), paddle.nn.ClipGradByGlobalNorm)),
+            (f"dp_degree={self.dp_degree}", self.dp_degree > 1)) if used]
+        if refused:
+            raise ValueError(f"staticpipe does not pipeline PIR programs with {' or '.join(refused)} yet; build the "
+                             "program in legacy-IR mode for it (STATICPIPE_LEGACY_IR=1, see README)")
+        check_layout(PirView(program, Gradients(), loss), self.options)  # before the program changes
+        startup = startup_program or paddle.static.default_startup_program()
+        result, grads = differentiate(self.inner, loss, startup_program, parameters, no_grad_set)
+        view = PirView(program, grads, loss)
+        if not any(op.op_role == ROLE_OPTIMIZE for op in program.global_block().ops if op.num_operands()):
+            raise ValueError(f"the inner optimizer ({type(self.inner).__name__}) added no update ops to the program: "
+                             "nothing would ever train")
+        self.plan = plan_with(view, view.loss, self.options)
+        attach_plan(self.plan, program, startup)
+        setattr(program, NAMES, view.name_of)
+        setattr(program, VIEW, view)
         return result
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ._paddle import OP_DEVICE, core, framework, paddle
+from .pir_ir import SPLIT_POINTS as PIR_SPLIT_POINTS
+from .pir_ir import guarded, is_pir_program, pir_mode
 
 log = logging.getLogger("staticpipe")
 _DEVICE_RE = re.compile(r"^(cpu|gpu)(?::([0-9]+))?$")
@@ -62,10 +64,14 @@ def device_guard(device: str) -> Iterator[Device]:
     """
     parsed = parse_device(device)
     with paddle.static.device_guard(str(parsed)):
-        yield parsed
+        if pir_mode():  # Paddle's guard records nothing on PIR ops: staticpipe tags them itself
+            with guarded(paddle.static.default_main_program().global_block(), str(parsed)):
+                yield parsed
+        else:
+            yield parsed
 
 
-SPLIT_POINTS = "_staticpipe_split_points"  # Program attribute: op indices where a new stage starts
+SPLIT_POINTS = PIR_SPLIT_POINTS  # Program attribute: op indices where a new stage starts (PIR: the ops before)
 
 
 def split_point(program: "paddle.static.Program | None" = None) -> None:
@@ -76,6 +82,12 @@ def split_point(program: "paddle.static.Program | None" = None) -> None:
     gpu:0), which only a split point can separate. Schedules with one stage per device ignore it.
     """
     program = program if program is not None else paddle.static.default_main_program()
+    if is_pir_program(program):  # an index would shift (parameter ops go to the block's start): the last op
+        ops = program.global_block().ops
+        anchors = getattr(program, SPLIT_POINTS, [])
+        anchors.append(ops[-1] if ops else None)
+        setattr(program, SPLIT_POINTS, anchors)
+        return
     if not isinstance(program, framework.Program):
         raise ValueError(f"split_point(program) takes a paddle.static.Program (or None: the default main "
                          f"program), got {type(program).__name__}: {program!r}")

@@ -159,7 +159,9 @@ class Section:
 
     @property
     def num_compute_ops(self) -> int:
-        return sum(1 for op in self.program.global_block().ops if op.type not in COLLECTIVE_OP_TYPES)
+        from .ir import num_compute_ops  # here: reading a plan's data needs no Paddle
+
+        return num_compute_ops(self.program, COLLECTIVE_OP_TYPES)
 
     def __str__(self) -> str:
         return f"# stage {self.stage} {self.kind} section\n{self.program}"

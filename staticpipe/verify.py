@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._paddle import framework, np, paddle
-from .ir import as_float
+from .ir import as_float, fetch_target, program_view
 from .plan import Plan, require_plan
 from .executor import Executor
 
@@ -76,7 +76,7 @@ class VerifyReport:
 def check_placement(program: framework.Program, plan: Plan) -> PlacementCheck:
     """Every op of ``program`` runs on exactly one stage unless the plan replicates it on purpose, and
     every parameter has exactly one owner."""
-    block = program.global_block()
+    block = program_view(program).global_block()
     runs: dict[int, int] = {}
     for stage in plan.stages:
         for section in stage.sections.values():
@@ -147,13 +147,14 @@ def verify(program: framework.Program, loader: Any, startup_program: framework.P
     losses_p, losses_r, diffs, bounds = [], [], {name: [] for name in initial}, {}
 
     def number(name: str, value: Any) -> np.ndarray:  # bfloat16 comes as bit patterns: compare numbers
-        return as_float(value, program.global_block()._var_recursive(name).dtype)
+        return as_float(value, program_view(program).global_block()._var_recursive(name).dtype)
 
     try:
         for batch in batches:
             losses_p.append(float(np.mean(number(plan.loss, pipe.run(program, feed=batch, fetch_list=[plan.loss])[0]))))
-            losses_r.append(float(np.mean(number(plan.loss, ref.run(program, feed=batch, fetch_list=[plan.loss],
-                                                                     scope=scope)[0]))))
+            with paddle.static.scope_guard(scope):  # PIR's executor sets a scheduled learning rate in the global scope
+                single = ref.run(program, feed=batch, fetch_list=[fetch_target(program, plan.loss)])
+            losses_r.append(float(np.mean(number(plan.loss, single[0]))))
             state = pipe.state_dict(program)
             for name in diffs:
                 r = number(name, np.array(scope.find_var(name).get_tensor())).astype(np.float64)

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .._paddle import core, framework, paddle
+from ..pir_ir import is_pir_data
 from .dataset import DatasetSource
 from .epoch import EpochStats
 from .feed import Batch, FeedSpec, to_batch
@@ -135,7 +136,7 @@ class DataLoader:
         if not isinstance(feed_list, (list, tuple)) or not feed_list:
             raise ValueError(f"feed_list must be a non-empty list of paddle.static.data variables, got {feed_list!r}")
         for var in feed_list:
-            if not isinstance(var, paddle.static.Variable):
+            if not isinstance(var, paddle.static.Variable) and not is_pir_data(var):
                 raise ValueError(
                     f"feed_list entries must be paddle.static.data variables, got {type(var).__name__}: {var!r}"
                 )

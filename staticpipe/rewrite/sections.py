@@ -17,9 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, core, framework, paddle
-from ..ir import arg_names
+from ..ir import arg_names, declared
+from ..pir_ir import PirView
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, Exchange, Route, Section, SectionRef, Stage
 from .optimize import LOSS_SCALING_OPS, Reduction, StageSlice, place_optimize_ops, shared_partials
+from . import pir_programs
 from .optimize_section import Exchanges, init_section, optimize_section
 from .programs import (MERGED_SUFFIX, append_cast, append_comm_op, append_tagged_op, copy_ops, cut_var, declare_merged,
                        declare_var, section_runs)
@@ -132,6 +134,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     per-micro-batch section, weight, with the parameter-gradient half of the backward.
     """
     block = program.global_block()
+    pir = isinstance(program, PirView)
     p = len(assignment.devices)
     by_section: dict[SectionRef, list[int]] = defaultdict(list)
     for i, role in enumerate(assignment.role):
@@ -140,6 +143,8 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     grads = param_grads(block, assignment)
     partials, drop_in = shared_partials(block, assignment, grads)
     held = step_values(block, assignment)
+    if pir:
+        pir_programs.check_supported(partials, held, recompute, split_backward)
     drop_out: dict[SectionRef, Drops] = defaultdict(dict)
     if split_backward:
         if recompute:
@@ -225,19 +230,28 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             fwd.keep = {n for n in fwd.keep if n not in fwd.writes} | sent | inputs
         for kind in kinds:
             ref = SectionRef(s, kind)
-            sections[kind] = _per_microbatch_section(
-                block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
-                drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [], held=held)
-        sections[OPTIMIZE] = optimize_section(block, s, device, placement.ops[s], grads, merge, partials,
-                                              assignment, exchanges)
-        sections[INIT] = init_section(block, s, device, merge)
+            if pir:
+                sections[kind] = pir_programs.per_microbatch_section(
+                    block, secs[ref], routes, merge, num_microbatches)
+            else:
+                sections[kind] = _per_microbatch_section(
+                    block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
+                    drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [], held=held)
+        if pir:
+            sections[OPTIMIZE] = pir_programs.optimize_section(block, s, placement.ops[s], merge)
+            sections[INIT] = pir_programs.init_section(block, s, merge)
+        else:
+            sections[OPTIMIZE] = optimize_section(block, s, device, placement.ops[s], grads, merge, partials,
+                                                  assignment, exchanges)
+            sections[INIT] = init_section(block, s, device, merge)
+        names = [(name, persistable) for sec in sections.values() for name, persistable in declared(sec.program)]
         stages.append(Stage(
             index=s, device=device, rank=stage_ranks[s], sections=sections, recompute=s in recompute,
             parameters=tuple(n for n, st in assignment.param_stage.items() if st == s),
             grad_buffers=tuple(g + MERGED_SUFFIX for g in merge),
-            step_values=tuple(sorted(held & {v.name for sec in sections.values() for v in sec.program.list_vars()})),
-            persistables=tuple(sorted({v.name for sec in sections.values() for v in sec.program.list_vars()
-                                       if v.persistable and v.name not in merge and v.name not in held}))))
+            step_values=tuple(sorted(held & {name for name, _ in names})),
+            persistables=tuple(sorted({name for name, persistable in names
+                                       if persistable and name not in merge and name not in held}))))
     return (stages, routes, exchanges.records, {k: tuple(v) for k, v in data_vars.items()}, producer,
             placement.replicated)
 

@@ -8,10 +8,12 @@ writes checkpoints.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from .._paddle import core, framework, np, paddle
-from ..ir import clear_device_tags, np_dtype
+from ..ir import clear_device_tags, declared, declared_var, is_pir_program, np_dtype
+from ..pir_ir import pir_thread
 from ..plan import Plan, Stage
 from .devices import Devices
 
@@ -25,16 +27,17 @@ def run_startup(devices: Devices, startup: framework.Program, plan: Plan) -> Non
     host = core.Scope()
     on_host = clear_device_tags(startup.clone())
     on_host.random_seed = startup.random_seed
-    paddle.static.Executor(core.CPUPlace()).run(on_host, scope=host)
+    with pir_thread() if is_pir_program(startup) else contextlib.nullcontext():
+        paddle.static.Executor(core.CPUPlace()).run(on_host, scope=host)
     for stage in devices.local_stages(plan):
         worker = devices.worker(stage.device)
-        declared = {v.name: v.dtype for section in stage.sections.values()
-                    for v in section.program.list_vars() if v.persistable}
+        dtypes = {name: declared_var(section.program, name)[1] for section in stage.sections.values()
+                  for name, persistable in declared(section.program) if persistable}
         for name in stage.persistables:
             var = host.find_var(name)
             if var is not None and var.get_tensor()._is_initialized():
                 value = np.array(var.get_tensor())
-                worker.scope.var(name).get_tensor().set(_low_precision(value, declared.get(name)), worker.place)
+                worker.scope.var(name).get_tensor().set(_low_precision(value, dtypes.get(name)), worker.place)
         worker.init_stage(stage)
 
 
@@ -53,11 +56,12 @@ def set_learning_rate(devices: Devices, program: framework.Program, plan: Plan) 
     scheduler = getattr(program, "lr_scheduler", None)
     if scheduler is None:
         return
-    name = scheduler._var_name
-    value = np.array([scheduler()], dtype=np_dtype(program.global_block().var(name)))
+    name = getattr(program, "lr_name", None) or scheduler._var_name  # PIR's, legacy's
     for s in plan.stage_of_var(name):
         worker = devices.worker(plan.stages[s].device)
-        worker.scope.var(name).get_tensor().set(value, worker.place)
+        tensor = worker.scope.var(name).get_tensor()
+        dtype = np_dtype(tensor._dtype()) if tensor._is_initialized() else "float32"
+        tensor.set(np.array([scheduler()], dtype=dtype), worker.place)
 
 
 def state_dict(devices: Devices, plan: Plan) -> dict[str, np.ndarray]:

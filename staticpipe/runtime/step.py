@@ -17,7 +17,7 @@ from typing import Any
 
 from .._paddle import core, np, paddle
 from ..io import FeedSpec, split_microbatches
-from ..ir import as_fetched, as_float
+from ..ir import as_fetched, as_float, declared_var
 from ..placement import generic_place
 from ..plan import FORWARD, FORWARD_ONLY, OPTIMIZE, PER_MICROBATCH, Plan
 from .devices import Devices
@@ -205,8 +205,8 @@ class StepRunner:
         key = (plan, name)
         if key not in self._batched:
             ref = plan.producers[name]
-            var = plan.stages[ref.stage].sections[ref.kind].program.global_block().var(name)
-            self._batched[key] = (len(var.shape) > 0 and var.shape[0] == -1, var.dtype)
+            shape, dtype = declared_var(plan.stages[ref.stage].sections[ref.kind].program, name)
+            self._batched[key] = (len(shape) > 0 and shape[0] == -1, dtype)
         return self._batched[key]
 
 

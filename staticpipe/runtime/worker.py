@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._paddle import core, np
-from ..ir import np_dtype, paddle_dtype, tensor_bytes, tensor_of
+from ..ir import declared, is_pir_program, np_dtype, tensor_bytes, tensor_of
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, WEIGHT, CutVar, Plan, Run, Section, Stage
 from ..schedule import Action, Kind
 from .channel import Channel
 from .errors import PipelineAborted, StageError
 from .optimize_phase import run_optimizers
+from .pir_runs import PirRuns
 
 SECTION_OF = {Kind.F: FORWARD, Kind.B: BACKWARD, Kind.W: WEIGHT}
 
@@ -58,8 +59,8 @@ class RankProgram:
                 names.update(sections[kind].keep if kind in sections else ())
             names.update(v.name for r in plan.routes if r.dst.stage == stage for v in r.vars)
             leftovers[stage] = tuple(sorted(names))
-        optimize_leftovers = {a.stage: tuple(sorted(v.name for v in plan.stages[a.stage].sections[OPTIMIZE].program.list_vars()
-                                                    if not v.persistable)) for a in actions if a.kind is Kind.OPT}
+        optimize_leftovers = {a.stage: tuple(sorted(name for name, persistable in declared(
+            plan.stages[a.stage].sections[OPTIMIZE].program) if not persistable)) for a in actions if a.kind is Kind.OPT}
         first = next((a.stage for a in actions if a.kind is Kind.OPT), None)
         return cls(actions, {i: True for i in last.values()}, groups, leftovers, optimize_leftovers, first)
 
@@ -111,6 +112,7 @@ class DeviceWorker:
         self.memory: dict[int, MemoryStats] = {}  # stage -> activation memory
         self._held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes kept after its forward
         self._sizes: dict[tuple[Section, tuple], tuple[int, int]] = {}  # see _held_bytes
+        self._pir: PirRuns | None = None  # the runs of PIR section programs, made on first use
 
     # --- runs ---------------------------------------------------------------------------------------
     def prepare(self, run: Run, fetch: tuple[str, ...] = ()) -> Any:
@@ -118,6 +120,8 @@ class DeviceWorker:
         to spare ``run.keep`` and the fetched values."""
         key = (run, fetch)
         ctx = self._ctx.get(key)
+        if ctx is None and is_pir_program(run.program):  # built by its first run (pir_runs.py)
+            return None
         if ctx is None:
             ctx = self._ctx[key] = self._exe.prepare(run.program.desc, 0, list(run.keep + fetch), False)
         return ctx
@@ -125,7 +129,12 @@ class DeviceWorker:
     def execute(self, run: Run, scope: core._Scope, fetch: tuple[str, ...] = ()) -> None:
         if run.program is None:
             return
-        self._exe.run_prepared_ctx(self.prepare(run, fetch), scope, False, True, True)
+        if is_pir_program(run.program):
+            if self._pir is None:
+                self._pir = PirRuns(self.place, self.scope)
+            self._pir.execute(run, scope, fetch)
+        else:
+            self._exe.run_prepared_ctx(self.prepare(run, fetch), scope, False, True, True)
         if self._cuda:  # kernels run on the device's own stream; values leave it only once they are done
             core._cuda_synchronize(self.place)
 
@@ -262,6 +271,6 @@ def _check_cut(var: CutVar, tensor: core.LoDTensor, micro_batch_size: int | None
     if got != want and (len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got))):
         raise ValueError(f"cut variable '{var.name}' has shape {list(got)}, but the plan compiled "
                          f"{list(want)}")
-    if tensor._dtype() != paddle_dtype(var.dtype):
+    if np_dtype(tensor._dtype()) != var.dtype:
         raise ValueError(f"cut variable '{var.name}' has dtype {np_dtype(tensor._dtype())}, but the plan compiled "
                          f"{var.dtype}")

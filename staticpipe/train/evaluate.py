@@ -20,7 +20,7 @@ def evaluate(exe: "Executor", program: framework.Program, dataset: Any, fetch_li
         chunked = trained is not None and len(trained.stages) > len(trained.ranks)
         attach_plan(build_forward_plan(program, num_microbatches, chunked,
                                        dp_degree=trained.dp_degree if trained is not None else 1), program)
-    names = var_names(fetch_list)
+    names = var_names(fetch_list, like if like is not None else program)
     dtypes = [program.global_block()._var_recursive(n).dtype for n in names]
     totals, samples = None, 0
     for batch in dataset.epoch():

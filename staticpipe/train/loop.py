@@ -69,11 +69,11 @@ def infer_from_dataset(exe: "Executor", program: framework.Program, forward: fra
 def _epoch(exe: "Executor", program: framework.Program, runs: framework.Program, plan: Plan, loader: Any,
            options: Options) -> list[list]:
     """One epoch of ``loader`` as steps of ``runs`` (``program`` itself, or its forward-only twin)."""
-    names = var_names(options.fetch_list)
+    names = var_names(options.fetch_list, program)
     labels = list(options.fetch_info) if options.fetch_info else ["loss" if n == plan.loss else n for n in names]
     if len(labels) != len(names):
         raise ValueError(f"fetch_info has {len(labels)} names for {len(names)} fetch_list entries")
-    handler = _Handler(options.fetch_handler)
+    handler = _Handler(options.fetch_handler, program)
     history: list[list] = []
     tracing, exe.trace = exe.trace, exe.trace or options.debug
     m, period = plan.num_microbatches, options.print_period
@@ -135,11 +135,11 @@ class _Handler:
     values of the variables of its ``var_dict`` (Paddle calls it from a monitor thread; here it is called
     after the first step that ends ``period_secs`` or more after the previous call)."""
 
-    def __init__(self, fetch_handler: Any):
+    def __init__(self, fetch_handler: Any, program: Any = None):
         self.handler = fetch_handler
         var_dict = getattr(fetch_handler, "var_dict", {}) or {}
         self.keys = list(var_dict)
-        self.names = var_names(list(var_dict.values()))
+        self.names = var_names(list(var_dict.values()), program)
         self.last = time.monotonic()
 
     def update(self, values: list) -> None:

@@ -1,0 +1,89 @@
+"""The same pipelines built as legacy-IR and as PIR programs, timed side by side in one run (Paddle 3.x).
+
+For each configuration (an MLP from ``models/``, ``p`` stages, ``m`` micro-batches, 1F1B, Adam) the
+legacy program is built in the process's default legacy-IR mode and the PIR one inside
+``paddle.pir_utils.IrGuard``; both train on the same batches. Rounds interleave the two (a slow spell of
+the machine hits both alike) and the table gives each one's median step, the PIR/legacy ratio (issue 18's
+target: <= 1.05) and the time per compute action (F, B, OPT), which on the narrow MLP is mostly
+staticpipe's and Paddle's per-run machinery rather than arithmetic.
+
+    python bench/ir_compare.py [--rounds 30] [--batch 64]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import staticpipe  # noqa: E402
+from staticpipe._paddle import PADDLE_MAJOR, paddle  # noqa: E402
+from staticpipe.schedule import Kind  # noqa: E402
+from models import build_mlp  # noqa: E402
+
+CONFIGS = [  # (label, width, depth, stages, micro-batches)
+    ("narrow MLP (machinery-bound)", 64, 4, 2, 8),
+    ("narrow MLP (machinery-bound)", 64, 8, 4, 16),
+    ("wide MLP (compute-bound)", 768, 4, 2, 4),
+]
+
+
+def mode(ir: str):
+    return paddle.pir_utils.IrGuard() if ir == "PIR" else contextlib.nullcontext()
+
+
+def pipeline(ir: str, width: int, depth: int, stages: int, microbatches: int, batch: dict):
+    """A step function of the pipelined MLP built in ``ir``, and its compute actions per step."""
+    with mode(ir):
+        net = build_mlp(num_stages=stages, in_dim=width, hidden=width, depth=depth)
+        with paddle.static.program_guard(net.main, net.startup):
+            opt = staticpipe.PipelineOptimizer(paddle.optimizer.Adam(1e-3), num_microbatches=microbatches)
+            opt.minimize(net.loss)
+        exe = staticpipe.Executor(paddle.CPUPlace())
+        exe.run(net.startup)
+    actions = sum(1 for acts in opt.plan.actions.values() for a in acts if a.kind in (Kind.F, Kind.B, Kind.OPT))
+    return (lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])), actions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=30, help="timed rounds (one step of every configuration each)")
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    if PADDLE_MAJOR < 3:
+        print(f"paddle {paddle.__version__} has no PIR programs: nothing to compare (run this on Paddle 3.x)")
+        return
+    paddle.enable_static()
+    runs = {}
+    for label, width, depth, p, m in CONFIGS:
+        batch = build_mlp(num_stages=1, guarded=False, in_dim=width, hidden=width, depth=depth).random_batch(args.batch)
+        for ir in ("legacy", "PIR"):
+            runs[(label, width, p, m, ir)] = pipeline(ir, width, depth, p, m, batch)
+    times: dict[tuple, list[float]] = {key: [] for key in runs}
+    for key, (step, _) in runs.items():
+        with mode(key[-1]):
+            for _ in range(3):  # warm-up: interpreters, scopes, allocator
+                step()
+    for _ in range(args.rounds):
+        for key, (step, _) in runs.items():
+            with mode(key[-1]):  # Paddle runs a PIR program only in PIR mode (its APIs are switched per process)
+                start = time.perf_counter()
+                step()
+                times[key].append(time.perf_counter() - start)
+    print(f"paddle {paddle.__version__}, {args.rounds} rounds, batch {args.batch}, Adam, 1F1B, CPU devices, "
+          f"{os.cpu_count()} cores")
+    print(f"{'configuration':<44} {'legacy ms':>10} {'PIR ms':>10} {'PIR/legacy':>11} {'legacy µs/act':>14} "
+          f"{'PIR µs/act':>11}")
+    for label, width, _, p, m in CONFIGS:
+        legacy, pir = (statistics.median(times[(label, width, p, m, ir)]) for ir in ("legacy", "PIR"))
+        actions = runs[(label, width, p, m, "legacy")][1]
+        print(f"{f'{label} w={width} p={p} m={m}':<44} {legacy * 1e3:>10.2f} {pir * 1e3:>10.2f} {pir / legacy:>11.2f} "
+              f"{legacy / actions * 1e6:>14.0f} {pir / actions * 1e6:>11.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Running one PIR section program: Paddle's executor, fed from a micro-batch's scope and fetched into it.
+
+Why it differs from the legacy runs (``DeviceWorker.execute``): Paddle's executor runs a PIR program in a
+private child scope and frees every non-persistable value when the run ends, and it takes feeds only for
+data ops. So the rewrite makes every value a section reads from elsewhere a data op of the value's name
+(``rewrite/pir_programs.py``), and this runner feeds those from the micro-batch's scope, runs the program
+in the device's root scope (where parameters, optimizer state and gradient buffers live), and stores the
+values later sections need back into the micro-batch's scope. Everything else of the step machinery --
+scopes per micro-batch, sends, receives, keep lists, memory accounting -- is the legacy runs' own.
+
+Two facts of Paddle 3.3 shape it (``../shared/notes/pir-facts.md``, re-checked by ``tests/test_pir.py``):
+- a fetched tensor aliases the executor's fetch buffer, which the program's next run overwrites: what is
+  kept is a copy; an output a kernel leaves unallocated (batch norm's reserve space on CPU) is kept as an
+  empty tensor, which the op reading it ignores as it would the unallocated one;
+- building a program's interpreter (for a new fetch list too) goes through process-global PIR state, and
+  two threads doing so at once fail: building takes a process-wide lock;
+- whether Paddle's executor takes the PIR path is thread-local state: each run sets it (``pir_thread``);
+- Paddle's PIR interpreter schedules ops on a thread pool of its own by default. Stage workers are already
+  the parallelism here (one thread per device, each with its intra-op budget), and the pool on top of them
+  made a 2-stage pipeline of a wide MLP 1.4x slower than the legacy runs on 2 cores, the same pipeline as
+  fast with ops run on the calling thread (``bench/ir_compare.py``). So the first PIR plan to run sets
+  ``FLAGS_new_executor_serial_run``, for the process: Paddle reads it on every run (an interpreter built
+  with it must not run without it), and it changes no number, only which thread runs each op.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from .._paddle import core, np, paddle
+from ..ir import np_dtype, tensor_of
+from ..pir_ir import FEEDS, pir_thread, section_values
+from ..plan import Run
+
+_FIRST_RUNS = threading.Lock()
+SERIAL_RUN = "FLAGS_new_executor_serial_run"
+
+
+class PirRuns:
+    """The PIR runs of one device: its executor, place and root scope."""
+
+    def __init__(self, place: core.Place, scope: core._Scope):
+        self.place, self.scope = place, scope
+        paddle.set_flags({SERIAL_RUN: True})
+        self._exe = paddle.static.Executor(place)
+        self._built: dict[tuple, Any] = {}  # (program, feeds, fetches) -> Paddle's interpreter for them
+        self._fetches: dict[tuple[Run, tuple[str, ...]], tuple[str, ...]] = {}
+
+    def execute(self, run: Run, scope: core._Scope, fetch: tuple[str, ...] = ()) -> None:
+        """Run ``run`` with its data ops fed from ``scope``; leave in ``scope`` copies of the values it
+        produces that ``run.keep`` or ``fetch`` name."""
+        program = run.program
+        names = self._fetched(run, fetch)
+        values = section_values(program)
+        feed = {name: tensor_of(scope, name, f"the run of section program {id(program):#x}")
+                for name in getattr(program, FEEDS)}
+        key = (id(program), tuple(feed), names)
+        with pir_thread():
+            built = self._built.get(key)
+            if built is None:
+                with _FIRST_RUNS:
+                    built = self._built[key] = self._build(program, feed, [values[n] for n in names])
+            out = built(feed)
+        for name, tensor in zip(names, out):
+            kept = scope.var(name).get_tensor()
+            if tensor._is_initialized() and tensor._numel() > 0:
+                kept._share_data_with(tensor._copy(self.place))
+            else:  # an output the kernel left without memory (batch norm's reserve space on CPU): empty, as it is
+                kept.set(np.zeros((0,) * max(1, len(values[name].shape)), np_dtype(values[name].dtype)), self.place)
+
+    def _build(self, program: Any, feed: dict, fetch_list: list) -> Callable[[dict], list]:
+        """Paddle's interpreter of ``program`` for these feeds and fetches, as a function of the feeds.
+
+        Why not ``Executor.run`` on every run: it looks its interpreter up by a key that holds the whole
+        program printed as text (``str(program)``), 0.2-0.5 ms a run here, and keeps 8 interpreters per
+        executor, fewer than a device with several stages runs. The interpreter Paddle builds on the first
+        run is kept here and run directly, its feeds set as ``Executor.run`` sets them."""
+        exe, cache = self._exe, getattr(self._exe, "_executor_cache", None)
+        if cache is None or not hasattr(exe, "_pir_feed_data"):  # another Paddle: its own path, every run
+            return lambda feeds: exe.run(program, feed=feeds, fetch_list=fetch_list, scope=self.scope,
+                                         return_numpy=False)
+        compiled, interpreter, data_ops = cache.get_pir_program_and_executor(
+            program, dict(feed), fetch_list, "feed", "fetch", self.place, self.scope, exe.plan)
+
+        def run(feeds: dict) -> list:
+            exe._pir_feed_data(compiled, feeds, self.scope, data_ops)
+            return interpreter.run(list(feeds), False, False)
+        return run
+
+    def _fetched(self, run: Run, fetch: tuple[str, ...]) -> tuple[str, ...]:
+        """The names of ``run.keep`` and ``fetch`` that its program computes (fed and persistable values are
+        already where they are read)."""
+        key = (run, fetch)
+        names = self._fetches.get(key)
+        if names is None:
+            values, fed = section_values(run.program), set(getattr(run.program, FEEDS))
+            names = self._fetches[key] = tuple(n for n in dict.fromkeys(run.keep + fetch)
+                                               if n in values and n not in fed and not values[n].persistable)
+        return names

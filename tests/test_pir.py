@@ -1,0 +1,314 @@
+"""PIR programs (Paddle 3's default IR) pipelined through the same API, against single-device PIR training.
+
+Each test builds its programs inside ``paddle.pir_utils.IrGuard`` (this process builds legacy programs
+otherwise, see conftest.py), trains a pipeline and the same network on one device from the same initial
+values, and compares losses and parameters.
+"""
+from __future__ import annotations
+
+import pytest
+
+import staticpipe
+from staticpipe._paddle import PADDLE_MAJOR, np, paddle
+
+pytestmark = pytest.mark.skipif(PADDLE_MAJOR < 3, reason="PIR is Paddle 3's program IR")
+
+BATCH, FEATURES, CLASSES = 12, 12, 4
+
+
+@pytest.fixture(autouse=True)
+def _pir():
+    with paddle.pir_utils.IrGuard():
+        yield
+
+
+def mlp(devices, hidden=16, data=None):
+    """x -> (fc + relu) per device in ``devices`` -> fc -> softmax cross-entropy on the last device;
+    ``data`` (a dict) receives the data values."""
+    def layers():
+        x = paddle.static.data("x", [None, FEATURES], "float32")
+        y = paddle.static.data("y", [None, 1], "int64")
+        if data is not None:
+            data.update(x=x, y=y)
+        h = x
+        for k, device in enumerate(devices):
+            with staticpipe.device_guard(device):
+                h = paddle.nn.functional.relu(paddle.static.nn.fc(h, hidden))
+                if k == len(devices) - 1:
+                    logits = paddle.static.nn.fc(h, CLASSES)
+                    loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, y))
+        return loss
+    return layers
+
+
+def build(layers, optimizer, pipeline=None):
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.utils.unique_name.guard(), paddle.static.program_guard(main, startup):
+        loss = layers()
+        opt = optimizer()
+        if pipeline is not None:
+            opt = staticpipe.PipelineOptimizer(opt, **pipeline)
+        opt.minimize(loss)
+    return main, startup, loss, opt
+
+
+def batches(steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((BATCH, FEATURES)).astype("float32"),
+             "y": rng.integers(0, CLASSES, (BATCH, 1)).astype("int64")} for _ in range(steps)]
+
+
+def params(program):
+    return [p.name for p in program.global_block().all_parameters()]
+
+
+def reference(layers, optimizer, data, lr_steps=False):
+    """Single-device PIR training on ``data``: (initial parameters, losses, final parameters), both
+    parameter lists in ``params`` order."""
+    main, startup, loss, opt = build(layers, optimizer)
+    scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    with paddle.static.scope_guard(scope):  # Paddle's PIR executor sets a scheduled learning rate in the global scope
+        exe.run(startup)
+        init = [np.array(scope.find_var(n).get_tensor()) for n in params(main)]
+        losses = []
+        for batch in data:
+            losses.append(float(exe.run(main, feed=batch, fetch_list=[loss])[0]))
+            if lr_steps:
+                opt._learning_rate.step()
+    return init, losses, [np.array(scope.find_var(n).get_tensor()) for n in params(main)]
+
+
+def train_twins(layers, optimizer, pipeline, steps=3, lr_steps=False):
+    """(reference losses, pipeline losses, reference parameters, pipeline parameters, the pipeline's optimizer)."""
+    data = batches(steps)
+    init, ref_losses, ref = reference(layers, optimizer, data, lr_steps)
+    main, startup, loss, opt = build(layers, optimizer, pipeline)
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    exe.set_state_dict(main, dict(zip(params(main), init)))
+    losses = []
+    for batch in data:
+        losses.append(float(exe.run(main, feed=batch, fetch_list=[loss])[0]))
+        if lr_steps:
+            opt.inner._learning_rate.step()
+    state = exe.state_dict(main)
+    exe.close()
+    return ref_losses, losses, ref, [state[n] for n in params(main)], opt
+
+
+def assert_same(ref_losses, pipe_losses, ref, pipe, tol=2e-6):
+    np.testing.assert_allclose(pipe_losses, ref_losses, rtol=tol, atol=tol)
+    assert len(pipe) == len(ref)
+    for k, (mine, theirs) in enumerate(zip(pipe, ref)):
+        np.testing.assert_allclose(mine, theirs, rtol=tol, atol=tol, err_msg=f"parameter #{k}")
+
+
+def adam():
+    return paddle.optimizer.Adam(0.01)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "F-then-B"])
+@pytest.mark.parametrize("optimizer", [lambda: paddle.optimizer.SGD(0.1),
+                                       lambda: paddle.optimizer.Momentum(0.1, momentum=0.9), adam],
+                         ids=["sgd", "momentum", "adam"])
+def test_mlp_two_stages_equals_one_device(schedule, optimizer):
+    *result, opt = train_twins(mlp(["gpu:0", "gpu:1"]), optimizer, dict(num_microbatches=4, schedule=schedule))
+    assert_same(*result)
+    assert opt.plan.num_stages == 2 and opt.plan.schedule == staticpipe.schedule.get_kind(schedule).name
+
+
+def test_mlp_three_and_four_stages():
+    *result, opt = train_twins(mlp(["gpu:0", "gpu:1", "gpu:2", "gpu:3"]), adam, dict(num_microbatches=4))
+    assert_same(*result)
+    assert opt.plan.devices == ["gpu:0", "gpu:1", "gpu:2", "gpu:3"]
+    *result, _ = train_twins(mlp(["gpu:0", "gpu:1", "gpu:2"]), adam, dict(num_microbatches=3))
+    assert_same(*result)
+
+
+def test_interleaved_chunks_on_two_devices():
+    *result, opt = train_twins(mlp(["gpu:0", "gpu:1", "gpu:0", "gpu:1"]), adam,
+                               dict(num_microbatches=4, schedule="interleaved"))
+    assert_same(*result)
+    assert opt.plan.num_stages == 4 and len(opt.plan.ranks) == 2
+
+
+def test_custom_schedule_text():
+    text = "rank 0: 0F0 0F1 0B0 0B1 0OPT\nrank 1: 1F0 1B0 1F1 1B1 1OPT"
+    *result, opt = train_twins(mlp(["gpu:0", "gpu:1"]), adam, dict(num_microbatches=2, schedule=text))
+    assert_same(*result)
+    assert opt.plan.schedule == "custom"
+
+
+def test_learning_rate_scheduler_steps_like_one_device():
+    def warm_cosine():
+        cosine = paddle.optimizer.lr.CosineAnnealingDecay(0.05, T_max=4)
+        return paddle.optimizer.AdamW(paddle.optimizer.lr.LinearWarmup(cosine, 2, 0.0, 0.05), weight_decay=0.01)
+    *result, _ = train_twins(mlp(["gpu:0", "gpu:1"]), warm_cosine, dict(num_microbatches=2), steps=4, lr_steps=True)
+    assert_same(*result)
+
+
+def test_plan_names_the_cut_values_with_static_shapes():
+    _, _, _, opt = build(mlp(["gpu:0", "gpu:1"]), adam, dict(num_microbatches=2, micro_batch_size=8))
+    text = str(opt.plan)
+    cut = [v for r in opt.plan.routes for v in r.vars]
+    assert [v.shape for v in cut] == [(-1, 16), (-1, 16)] and [v.dtype for v in cut] == ["float32"] * 2
+    assert cut[1].name == cut[0].name + "@GRAD"
+    assert f"{cut[0].name} [8, 16] float32" in text and "stage 0 forward -> stage 1 forward" in text
+    assert opt.plan.data_vars == {"x": (0,), "y": (1,)}
+
+
+def test_train_from_dataset_reads_the_started_loader():
+    """Paddle's meaning: a loader batch is one micro-batch; two of them make the step's global batch."""
+    data = batches(2)
+    init, ref_losses, ref = reference(mlp(["gpu:0", "gpu:1"]), adam, data)
+    values = {}
+    main, startup, loss, opt = build(mlp(["gpu:0", "gpu:1"], data=values), adam, dict(num_microbatches=2))
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=[values["x"], values["y"]], capacity=4, iterable=False)
+    samples = [(x, y) for batch in data for x, y in zip(batch["x"], batch["y"])]
+    loader.set_sample_generator(lambda: iter(samples), batch_size=BATCH // 2)
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    exe.set_state_dict(main, dict(zip(params(main), init)))
+    loader.start()
+    history = exe.train_from_dataset(main, fetch_list=[loss], print_period=1)
+    state = exe.state_dict(main)
+    assert_same(ref_losses, [float(h[0]) for h in history], ref, [state[n] for n in params(main)])
+    exe.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(schedule="ZB-H1"), "schedules that split the backward (ZB-H1, ZB-V)"),
+    (dict(recompute=True), "recompute yet"),
+])
+def test_what_pir_cannot_do_yet_is_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=r"does not pipeline PIR programs with .*" + message.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        build(mlp(["gpu:0", "gpu:1"]), adam, dict(num_microbatches=2, **options))
+
+
+def test_global_norm_clipping_is_refused_by_name():
+    clipped = lambda: paddle.optimizer.SGD(0.1, grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))  # noqa: E731
+    with pytest.raises(ValueError, match=r"staticpipe does not pipeline PIR programs with global-norm clipping "
+                                         r"\(ClipGradByGlobalNorm\) yet"):
+        build(mlp(["gpu:0", "gpu:1"]), clipped, dict(num_microbatches=2))
+
+
+def test_split_points_make_a_v_layout_from_the_model_zoo():
+    """``models.build_mlp`` marks each stage boundary with ``split_point``: 4 stages on 2 devices in a V
+    (gpu:0, gpu:1, gpu:1, gpu:0), run by a custom schedule, against the zoo's own unguarded twin."""
+    from models import build_mlp
+
+    v = ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]
+    text = ("rank 0: 0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1 0OPT 3OPT\n"
+            "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1OPT 2OPT")
+    nets = [build_mlp(num_stages=4, guarded=guarded, in_dim=FEATURES, hidden=16, depth=4, stage_devices=v)
+            for guarded in (False, True)]
+    rng = np.random.default_rng(3)
+    data = [{"features": rng.standard_normal((BATCH, FEATURES)).astype("float32"),
+             "label": rng.integers(0, 10, (BATCH, 1)).astype("int64")} for _ in range(3)]
+    with paddle.static.program_guard(nets[0].main, nets[0].startup):
+        paddle.optimizer.Adam(0.01).minimize(nets[0].loss)
+    with paddle.static.program_guard(nets[1].main, nets[1].startup):
+        opt = staticpipe.PipelineOptimizer(paddle.optimizer.Adam(0.01), num_microbatches=2, schedule=text)
+        opt.minimize(nets[1].loss)
+    assert opt.plan.devices == v and len(opt.plan.ranks) == 2
+    scope, ref = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    with paddle.static.scope_guard(scope):
+        ref.run(nets[0].startup)
+        init = [np.array(scope.find_var(n).get_tensor()) for n in params(nets[0].main)]
+        ref_losses = [float(ref.run(nets[0].main, feed=b, fetch_list=[nets[0].loss])[0]) for b in data]
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(nets[1].startup)
+    exe.set_state_dict(nets[1].main, dict(zip(params(nets[1].main), init)))
+    losses = [float(exe.run(nets[1].main, feed=b, fetch_list=[nets[1].loss])[0]) for b in data]
+    state = exe.state_dict(nets[1].main)
+    assert_same(ref_losses, losses, [np.array(scope.find_var(n).get_tensor()) for n in params(nets[0].main)],
+                [state[n] for n in params(nets[1].main)])
+    exe.close()
+
+
+def test_a_value_of_another_program_cannot_be_fetched():
+    main, startup, loss, _ = build(mlp(["gpu:0", "gpu:1"]), adam, dict(num_microbatches=2))
+    _, _, other_loss, _ = build(mlp(["gpu:0", "gpu:1"]), adam)
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    with pytest.raises(ValueError, match=r"fetch_list\[0\]: the value is not one of this program's values"):
+        exe.run(main, feed=batches(1)[0], fetch_list=[other_loss])
+    exe.close()
+
+
+def convnet(slices=1):
+    """conv + batch norm + relu + pool on gpu:0, fc + cross-entropy on gpu:1. ``slices`` > 1 is the
+    single-device reference of a pipeline of that many micro-batches: the same layers (shared by name)
+    applied to each slice of the batch, the losses averaged, so batch norm sees each micro-batch alone."""
+    def layers():
+        x = paddle.static.data("x", [None, 2, 6, 6], "float32")
+        y = paddle.static.data("y", [None, 1], "int64")
+        with staticpipe.device_guard("gpu:0"):
+            conv, norm = paddle.nn.Conv2D(2, 4, 3, padding=1), paddle.nn.BatchNorm2D(4)
+        with staticpipe.device_guard("gpu:1"):
+            fc = paddle.nn.Linear(4 * 3 * 3, CLASSES)
+        losses = []
+        for part, label in zip(paddle.split(x, slices) if slices > 1 else [x],
+                               paddle.split(y, slices) if slices > 1 else [y]):
+            with staticpipe.device_guard("gpu:0"):
+                h = paddle.nn.functional.max_pool2d(paddle.nn.functional.relu(norm(conv(part))), 2)
+            with staticpipe.device_guard("gpu:1"):
+                losses.append(paddle.mean(paddle.nn.functional.cross_entropy(fc(paddle.flatten(h, 1)), label)))
+        return paddle.add_n(losses) / slices if slices > 1 else losses[0]
+    return layers
+
+
+def test_convnet_with_batch_norm_equals_one_device_per_micro_batch():
+    m, rng = 2, np.random.default_rng(1)
+    data = [{"x": rng.standard_normal((BATCH, 2, 6, 6)).astype("float32"),
+             "y": rng.integers(0, CLASSES, (BATCH, 1)).astype("int64")} for _ in range(3)]
+    momentum = lambda: paddle.optimizer.Momentum(0.05, momentum=0.9)  # noqa: E731
+    init, ref_losses, ref = reference(convnet(slices=m), momentum, data)
+    main, startup, loss, opt = build(convnet(), momentum, dict(num_microbatches=m))
+    assert params(main) == params(build(convnet(slices=m), momentum)[0])
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    exe.set_state_dict(main, dict(zip(params(main), init)))
+    losses = [float(exe.run(main, feed=batch, fetch_list=[loss])[0]) for batch in data]
+    state = exe.state_dict(main)
+    assert_same(ref_losses, losses, ref, [state[n] for n in params(main)], tol=1e-5)
+    stats = [p.name for p in main.global_block().all_parameters() if not p.trainable]
+    assert len(stats) == 2 and set(stats) <= set(opt.plan.stages[0].persistables)  # batch norm's running mean, var
+    exe.close()
+
+
+def test_a_refused_program_is_left_unchanged():
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.utils.unique_name.guard(), paddle.static.program_guard(main, startup):
+        loss = mlp(["gpu:0", "gpu:1"])()
+        before = len(main.global_block().ops)
+        with pytest.raises(ValueError, match=r"does not pipeline PIR programs with dp_degree=2 yet"):
+            staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=2, dp_degree=2).minimize(loss)
+    assert len(main.global_block().ops) == before and staticpipe.plan_of(main) is None
+
+
+def test_checkpoint_round_trip_and_verify(tmp_path):
+    data = batches(4)
+    main, startup, loss, opt = build(mlp(["gpu:0", "gpu:1"]), adam, dict(num_microbatches=2))
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    for batch in data[:2]:
+        exe.run(main, feed=batch, fetch_list=[loss])
+    staticpipe.save(main, str(tmp_path / "ckpt"), exe)
+    later = [float(exe.run(main, feed=batch, fetch_list=[loss])[0]) for batch in data[2:]]
+    state = exe.state_dict(main)
+    again = staticpipe.Executor(paddle.CPUPlace())
+    again.run(startup)
+    meta = staticpipe.load(main, str(tmp_path / "ckpt"), again)
+    assert meta["step"] == 2
+    assert [float(again.run(main, feed=batch, fetch_list=[loss])[0]) for batch in data[2:]] == later
+    restored = again.state_dict(main)
+    assert set(restored) == set(state)
+    for name in state:  # the same training from the same saved state: the same bits
+        np.testing.assert_array_equal(restored[name], state[name], err_msg=name)
+    accumulators = {v.name for per_param in opt.inner._accumulators.values() for v in per_param.values()}
+    assert len(accumulators) >= 2 * len(params(main)) and accumulators <= set(state)  # Adam's state went through too
+    report = staticpipe.verify(main, data[:2], startup, steps=2)
+    assert report.ok, str(report)
+    exe.close(), again.close()
