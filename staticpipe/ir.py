@@ -12,7 +12,7 @@ import functools
 from typing import Any, Iterable, Sequence
 
 from ._paddle import OP_DEVICE, PADDLE_MAJOR, core, framework, np, paddle
-from .pir_ir import VIEW, is_pir_program, is_pir_value, section_values, value_name
+from .pir_ir import HANDED_OVER, VIEW, is_pir_program, is_pir_value, section_values, value_name
 
 EMPTY_VAR = core.kEmptyVarName() if hasattr(core, "kEmptyVarName") else "@EMPTY@"
 # the legacy all-reduce-sum op: Paddle 3.x removed c_allreduce_sum for all_reduce (reduce_type 0: sum)
@@ -90,8 +90,9 @@ def fetch_target(program: Any, name: str) -> Any:
 
 def declared(program: Any) -> list[tuple[str, bool]]:
     """(name, persistable) of every variable a section program declares, on either IR."""
-    if is_pir_program(program):
-        return [(name, bool(v.persistable)) for name, v in section_values(program).items()]
+    if is_pir_program(program):  # a value handed over to the micro-batch is persistable only on its way there
+        handed = set(getattr(program, HANDED_OVER, ()))
+        return [(name, bool(v.persistable) and name not in handed) for name, v in section_values(program).items()]
     return [(v.name, v.persistable) for v in program.list_vars()]
 
 

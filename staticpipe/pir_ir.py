@@ -40,6 +40,7 @@ _HOOK = "_complete_grad_op_chunk_id"  # where ir_backward completes backward ops
 SPLIT_POINTS = "_staticpipe_split_points"  # as placement.SPLIT_POINTS, which reads this one
 VALUES = "_staticpipe_values"  # section program attribute: name -> value of that program
 FEEDS = "_staticpipe_feeds"  # section program attribute: names of its non-persistable data ops (fed each run)
+HANDED_OVER = "_staticpipe_handed_over"  # section program attribute: values it writes into the device's scope
 
 
 def is_pir_program(program: Any) -> bool:

@@ -17,8 +17,8 @@ Two facts of Paddle 3.3 shape it (``../shared/notes/pir-facts.md``, re-checked b
 - whether Paddle's executor takes the PIR path is thread-local state: each run sets it (``pir_thread``);
 - Paddle's PIR interpreter schedules ops on a thread pool of its own by default. Stage workers are already
   the parallelism here (one thread per device, each with its intra-op budget), and the pool on top of them
-  made a 2-stage pipeline of a wide MLP 1.4x slower than the legacy runs on 2 cores, the same pipeline as
-  fast with ops run on the calling thread (``bench/ir_compare.py``). So the first PIR plan to run sets
+  made the PIR pipelines of ``bench/ir_compare.py`` 1.3-1.7x slower than with ops run on the calling
+  thread (a wide MLP on 2 stages: 36.9 ms a step against 28.1 ms on 2 cores). So the first PIR plan to run sets
   ``FLAGS_new_executor_serial_run``, for the process: Paddle reads it on every run (an interpreter built
   with it must not run without it), and it changes no number, only which thread runs each op.
 """
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from .._paddle import core, np, paddle
 from ..ir import np_dtype, tensor_of
-from ..pir_ir import FEEDS, pir_thread, section_values
+from ..pir_ir import FEEDS, HANDED_OVER, pir_thread, section_values
 from ..plan import Run
 
 _FIRST_RUNS = threading.Lock()
@@ -61,6 +61,10 @@ class PirRuns:
                 with _FIRST_RUNS:
                     built = self._built[key] = self._build(program, feed, [values[n] for n in names])
             out = built(feed)
+        for name in getattr(program, HANDED_OVER, ()):  # the buffer goes to the micro-batch, the next run makes anew
+            made = self.scope.find_var(name).get_tensor()
+            scope.var(name).get_tensor()._share_data_with(made)
+            made._clear()
         for name, tensor in zip(names, out):
             kept = scope.var(name).get_tensor()
             if tensor._is_initialized() and tensor._numel() > 0:
@@ -82,8 +86,11 @@ class PirRuns:
         compiled, interpreter, data_ops = cache.get_pir_program_and_executor(
             program, dict(feed), fetch_list, "feed", "fetch", self.place, self.scope, exe.plan)
 
+        exe._pir_feed_data(compiled, dict(feed), self.scope, data_ops)  # checks the feeds' shapes once
+
         def run(feeds: dict) -> list:
-            exe._pir_feed_data(compiled, feeds, self.scope, data_ops)
+            for name, tensor in feeds.items():  # as _pir_feed_data sets them (cut values are checked when sent)
+                core.set_feed_variable(self.scope, tensor, name, 0)
             return interpreter.run(list(feeds), False, False)
         return run
 
