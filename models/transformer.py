@@ -28,6 +28,11 @@ def _fc(x: Variable, size: int, act: str | None = None, bias: bool = True) -> Va
 
 
 def _layer_norm(x: Variable) -> Variable:
+    if paddle.framework.in_pir_mode():  # Paddle 3's PIR has no paddle.static.nn.layer_norm: the same op
+        d = x.shape[-1]
+        scale = paddle.static.create_parameter([d], "float32", default_initializer=paddle.nn.initializer.Constant(1.0))
+        shift = paddle.static.create_parameter([d], "float32", is_bias=True)
+        return F.layer_norm(x, [d], weight=scale, bias=shift)
     return paddle.static.nn.layer_norm(x, begin_norm_axis=2)
 
 

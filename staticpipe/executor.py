@@ -12,7 +12,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ._paddle import core, framework, np, paddle
-from .ir import var_names
+from .ir import refuse_pir, var_names
 from .placement import SPLIT_POINTS, parse_device, place_of
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
@@ -176,6 +176,7 @@ class Executor:
     def _forward_twin(self, program: framework.Program) -> framework.Program:
         """``program`` if it is forward-only (planned on first use), else its forward-only twin on the
         same stages, built once per training plan."""
+        refuse_pir(program, "infer_from_dataset")
         plan = plan_of(program)
         if plan is None:
             attach_plan(build_forward_plan(program), program)
@@ -203,6 +204,7 @@ class Executor:
         ``program``: ``main.clone(for_test=True)`` taken before ``minimize``; it is rewritten once
         (the plan is kept on it). ``like``: the training program, whose chunking it follows.
         """
+        refuse_pir(program, "Executor.evaluate")
         return evaluate(self, program, dataset, fetch_list, num_microbatches, like)
 
     # --- what the last steps did ----------------------------------------------------------------------

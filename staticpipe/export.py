@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ._paddle import framework, paddle
-from .ir import clear_device_tags
+from .ir import clear_device_tags, refuse_pir
 
 if TYPE_CHECKING:
     from .executor import Executor
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 def export_inference(program: framework.Program, feed_vars: Sequence, fetch_vars: Sequence, path: str,
                      exe: "Executor") -> None:
     """Write ``path.pdmodel`` / ``path.pdiparams`` (``paddle.static.load_inference_model`` format)."""
+    refuse_pir(program, "export_inference")
     state = exe.state_dict(program)
     scope = paddle.static.Scope()
     for name, value in state.items():

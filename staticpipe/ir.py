@@ -71,6 +71,13 @@ def var_names(items: Sequence | Any | None, program: Any = None) -> list[str]:
     return names
 
 
+def refuse_pir(program: Any, what: str) -> None:
+    """``ValueError`` naming ``what`` when ``program`` is a PIR program, which ``what`` does not take yet."""
+    if is_pir_program(program):
+        raise ValueError(f"{what} does not take PIR programs yet (Paddle 3's default IR); build the program in "
+                         "legacy-IR mode for it (STATICPIPE_LEGACY_IR=1, see README)")
+
+
 def program_view(program: Any) -> Any:
     """``program`` as the passes read it: itself (legacy IR), or the ``PirView`` its plan was built from
     (a PIR program pipelined by ``PipelineOptimizer.minimize``)."""

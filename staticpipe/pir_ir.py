@@ -4,9 +4,9 @@ Why: the passes that decide where ops run and what crosses a stage boundary (``r
 ``rewrite/optimize.py``, the section analysis of ``rewrite/sections.py``) read a program as a list of
 ops, each with a type, named inputs and outputs, a role and a device, over named variables with a shape,
 a dtype and a persistence. The legacy IR is that already. A PIR program is a graph of SSA values without
-names, whose ops carry no device, and whose backward ops are not tied to their forward op. ``PirView``
-presents a PIR program in exactly those terms, so those passes run unchanged on both IRs, and only the
-building of section programs (``rewrite/pir_programs.py``) and the running of them
+names, whose ops carry no device, and whose backward ops are not tied to their forward op.
+``pir_view.PirView`` presents a PIR program in exactly those terms, so those passes run unchanged on both
+IRs, and only the building of section programs (``rewrite/pir_programs.py``) and the running of them
 (``runtime/pir_runs.py``) know PIR.
 
 How a PIR program gets what the legacy IR records by itself:
@@ -33,14 +33,14 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ._paddle import OP_DEVICE, OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, paddle
+from ._paddle import OP_DEVICE, ROLE_BACKWARD, ROLE_OPTIMIZE, paddle
 
 FREE_OPS = ("builtin.parameter", "pd_op.data", "pd_op.full", "pd_op.full_int_array", "builtin.constant")
 _HOOK = "_complete_grad_op_chunk_id"  # where ir_backward completes backward ops' attributes
 SPLIT_POINTS = "_staticpipe_split_points"  # as placement.SPLIT_POINTS, which reads this one
 VALUES = "_staticpipe_values"  # section program attribute: name -> value of that program
 FEEDS = "_staticpipe_feeds"  # section program attribute: names of its non-persistable data ops (fed each run)
-HANDED_OVER = "_staticpipe_handed_over"  # section program attribute: values it writes into the device's scope
+HANDED_OVER = "_staticpipe_handed_over"  # section program attribute: value -> its name in the device's scope
 
 
 def is_pir_program(program: Any) -> bool:
@@ -118,146 +118,17 @@ def differentiate(inner: Any, loss: Any, startup: Any, parameters: Any, no_grad_
                                           no_grad_set=no_grad_set)
     finally:
         setattr(ir_backward, _HOOK, original)
+    # only values the program still holds: ir_backward erases ops it made and then pruned, and a value made
+    # later (by the update ops) may reuse a freed value's address, which is what a ValueDict keys by
+    live = ValueDict()
+    for op in loss.block.ops:
+        for value in op.results():
+            live[value] = True
+    grads.of = ValueDict({g: v for g, v in grads.of.items() if g in live and v in live})
     with pir_op_role_guard(ROLE_OPTIMIZE):
         optimize_ops = inner._apply_optimize(loss, startup_program=startup, params_grads=params_grads)
     grads.params_grads = list(params_grads)
     return (optimize_ops, params_grads), grads
-
-
-@dataclass(frozen=True, eq=False)
-class PirVar:
-    """A named value, in the terms of a legacy variable."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: Any
-    persistable: bool
-    is_data: bool = False
-    value: Any = None  # the PIR value in the viewed program
-    type: Any = core.VarDesc.VarType.LOD_TENSOR  # or SELECTED_ROWS, as a legacy variable's
-    constant: bool = False  # made by an operand-free op such as pd_op.full: "persistable" to the passes only
-
-
-class PirOp:
-    """One PIR operation in the terms of a legacy op: ``type`` (without the dialect), argument names,
-    ``op_role`` (legacy bits) and ``op_device`` attributes, slots by Paddle's input and output names."""
-
-    def __init__(self, op: Any, index: int, inputs: list[str | None], outputs: list[str]):
-        self.op, self.index = op, index
-        self.type = op.name().split(".", 1)[-1]
-        self._inputs, self._outputs = inputs, outputs
-        self.input_arg_names = [n for n in inputs if n is not None]
-        self.output_arg_names = [n for n in outputs if n is not None]
-        role = op.op_role
-        self._role = ROLE_OPTIMIZE if role == ROLE_OPTIMIZE else ROLE_BACKWARD if role == ROLE_BACKWARD else 0
-
-    def has_attr(self, name: str) -> bool:
-        if name == "sub_block":
-            return self.op.num_regions() > 0
-        return name == OP_ROLE or self.op.has_attr(name)
-
-    def attr(self, name: str) -> Any:
-        if name == OP_ROLE:
-            return self._role
-        return self.op.str_attr(name) if name == OP_DEVICE else self.op.attrs()[name]
-
-    @property
-    def input_names(self) -> list[str]:
-        return list(self.op.get_input_names())
-
-    def input(self, slot: str) -> list[str]:
-        return [n for s, n in zip(self.op.get_input_names(), self._inputs) if s == slot and n is not None]
-
-    def output(self, slot: str) -> list[str]:
-        return [n for s, n in zip(self.op.get_output_names(), self._outputs) if s == slot and n is not None]
-
-    def __repr__(self) -> str:
-        return f"{self.op.name()}({', '.join(self.input_arg_names)}) -> {', '.join(self.output_arg_names)}"
-
-
-class PirView:
-    """A differentiated PIR program as the analysis passes read it: ``global_block()`` is the view itself,
-    with ``ops`` (``PirOp``), ``all_parameters()``, ``var(name)``; ``free_ops``: name -> the op that makes a
-    stage-free value; ``names``: value -> name (for the user's values: the loss, a fetch list)."""
-
-    def __init__(self, program: Any, grads: Gradients, loss: Any):
-        from paddle.autograd.backward_utils import ValueDict
-
-        self.program = program
-        self.names = ValueDict()
-        self.vars: dict[str, PirVar] = {}
-        self.free_ops: dict[str, Any] = {}
-        self.ops: list[PirOp] = []
-        self.grad_of: dict[str, str] = {}  # gradient name -> forward value name
-        counted: dict[Any, int] = {}  # op -> how many of the view's ops come before it or are it
-        for position, op in enumerate(program.global_block().ops):
-            free = op.name() in FREE_OPS and op.num_operands() == 0
-            counted[op] = len(self.ops) + (0 if free else 1)
-            outputs = [self._name(v, op, position, k, grads) if v.initialized() else None
-                       for k, v in enumerate(op.results())]  # an absent optional output: None
-            if free:
-                self.free_ops[outputs[0]] = op
-                continue
-            inputs = [self.names[v] if v.initialized() else None for v in op.operands_source()]
-            self.ops.append(PirOp(op, len(self.ops), inputs, outputs))
-        self.param_grads = {p.name: self.names[g] for p, g in grads.params_grads}
-        self._params = [self.vars[p.name] for p in program.global_block().all_parameters()]
-        self.loss = self.name_of(loss)
-        # placement.split_point's anchors (the op before each point) as the legacy IR's op indices
-        setattr(self, SPLIT_POINTS, {0 if a is None else counted[a] for a in getattr(program, SPLIT_POINTS, [])})
-
-    def _name(self, value: Any, op: Any, index: int, k: int, grads: Gradients) -> str:
-        kind = op.name()
-        if kind in ("builtin.parameter", "pd_op.data"):
-            name = value.name
-        elif grads.of is not None and value in grads.of and grads.of[value] in self.names:
-            base = self.names[grads.of[value]]
-            name = base + "@GRAD"
-            self.grad_of[name] = base
-        else:
-            name = f"{kind.split('.', 1)[-1]}_{index}.tmp_{k}"
-        if name in self.vars:  # a second gradient of one value (never seen), or a clash: stay unique
-            name = f"{name}@{index}.{k}"
-        constant = kind in FREE_OPS and op.num_operands() == 0 and kind not in ("pd_op.data", "builtin.parameter")
-        persistable = kind == "builtin.parameter" or bool(value.persistable) or constant
-        is_data = kind == "pd_op.data" and not value.persistable
-        if value.is_dense_tensor_type() or value.is_selected_row_type():
-            var_type = (core.VarDesc.VarType.SELECTED_ROWS if value.is_selected_row_type()
-                        else core.VarDesc.VarType.LOD_TENSOR)
-            shape, dtype = tuple(int(d) for d in value.shape), value.dtype
-        else:  # a vector of tensors (builtin.combine) or another non-tensor type: it cannot cross stages
-            var_type, shape, dtype = None, (), None
-        self.vars[name] = PirVar(name, shape, dtype, persistable, is_data, value, var_type, constant)
-        self.names[value] = name
-        return name
-
-    # --- the legacy Program / Block interface the passes read ----------------------------------------
-    def global_block(self) -> "PirView":
-        return self
-
-    def all_parameters(self) -> list[PirVar]:
-        return list(self._params)
-
-    def var(self, name: str) -> PirVar:
-        found = self.vars.get(name)
-        if found is None:
-            raise ValueError(f"variable '{name}' is not in the program")
-        return found
-
-    _var_recursive = var
-
-    def list_vars(self) -> list[PirVar]:
-        """Every named value but the constants (a legacy program's variables)."""
-        return [v for v in self.vars.values() if not v.constant]
-
-    def name_of(self, value: Any) -> str:
-        """The name of one of the program's values (``ValueError`` for a value of another program)."""
-        if isinstance(value, str):
-            return value
-        if value in self.names:
-            return self.names[value]
-        raise ValueError("the value is not one of this program's values (a value of another program, or one "
-                         "added after minimize)")
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ._paddle import framework, paddle
 from .atomic import atomic_directory, recover_directory
+from .ir import refuse_pir
 from .pickled_arrays import ALLOWED
 from .placement import launched_world
 from .plan import (OPTIMIZE, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of,
@@ -56,6 +57,7 @@ def save_plan(program: framework.Program, directory: str,
     Loading never runs code: the pickle may name only Paddle's scheduler classes (``paddle.optimizer.lr``)
     and numpy scalars, which ``save_plan`` checks before it writes anything.
     """
+    refuse_pir(program, "save_plan")
     plan = require_plan(program, "save_plan")
     startup = startup_program or paddle.static.default_startup_program()
     if plan_of(startup) is not plan:

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from .._paddle import OP_DEVICE, framework, np
 from ..io import DataLoader
+from ..ir import refuse_pir
 from ..placement import SPLIT_POINTS, parse_device
 from ..rewrite.stages import op_label, role_of
 from ..schedule import Kind, check_microbatches, get_kind, make_schedule, simulate
@@ -141,6 +142,7 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
     program's ``staticpipe.split_point()`` markers are cuts too. Without ``num_stages`` and ``devices``,
     the split points alone set the stages.
     """
+    refuse_pir(program, "auto_place")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
     kind = get_kind(schedule)

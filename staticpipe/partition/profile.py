@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
-from ..ir import arg_names, clear_device_tags, np_dtype, tensor_bytes
+from ..ir import arg_names, clear_device_tags, np_dtype, refuse_pir, tensor_bytes
 from ..placement import generic_place, place_of
 from ..rewrite.programs import copy_ops
 from ..rewrite.stages import BWD, FWD, grad_base, latest_gradient_source, op_label, role_of
@@ -40,6 +40,7 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
     has no backward; by default the one scalar float output no op reads (preferring a mean or sum).
     Timing runs on the calling thread with its intra-op thread budget (``core.set_num_threads``).
     """
+    refuse_pir(program, "staticpipe.profile")
     if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
         raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     batch = _first_batch(feed)

@@ -18,51 +18,58 @@ sends; only these builders differ:
   filled with zeros in place;
 - init: the buffers made (zero) as persistable values of the stage's scope.
 
-What a per-micro-batch section leaves for later sections (its ``keep``) is written into the device's
-scope under its name (``HANDED_OVER``), from where the runtime moves each value's buffer to the
-micro-batch's scope after the run: no fetch, no copy (a fetched value aliases the executor's fetch
+What a section leaves for later sections (its ``keep``) is written into the device's scope
+(``_hand_over``), from where the runtime moves each value's buffer to the micro-batch's scope after the
+run: no fetch, no copy (a fetched value aliases the executor's fetch
 buffer and must be copied; 60 -> 45 µs a run for a small forward section).
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._paddle import core, paddle
-from ..pir_ir import FEEDS, HANDED_OVER, VALUES, PirView
+from ..pir_ir import FEEDS, FREE_OPS, HANDED_OVER, VALUES
+from ..pir_view import PirView
 from ..plan import BACKWARD, INIT, OPTIMIZE, Route, Run, Section
+from .optimize import Reduction
 from .programs import MERGED_SUFFIX
 from .stages import op_label
 
 
-def check_supported(partials: list, held: frozenset, recompute: frozenset, split_backward: bool) -> None:
+def check_supported(held: frozenset, split_backward: bool) -> None:
     """Refuse, naming it, what the PIR builders do not build yet (README: "PIR programs")."""
     missing = [what for what, used in (
-        ("shared parameters (read on several stages)", partials), ("AMP", held), ("recompute", recompute),
+        ("AMP", held),
         ("schedules that split the backward (ZB-H1, ZB-V)", split_backward)) if used]
     if missing:
         raise ValueError(f"staticpipe does not pipeline PIR programs with {', '.join(missing)} yet; build the "
                          "program in legacy-IR mode for it (STATICPIPE_LEGACY_IR=1, see README)")
 
 
-def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None = None) -> Any:
+def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None = None,
+                reads: tuple[str, ...] = (), drop: dict[int, set[str]] | None = None) -> Any:
     """A clone of ``view.program`` running only ``view.ops[i]`` for ``i`` in ``ops`` (in program order).
 
-    Values those ops read that they do not produce become data ops of their names; ``persistent`` maps
-    some of those names to a persistable variable of the stage's scope read instead (a gradient's
-    ``@MERGED`` buffer)."""
+    Values those ops (and ``reads``, which the caller reads in ops it appends) read that they do not
+    produce become data ops of their names; ``persistent`` maps some of those names to a persistable
+    variable of the stage's scope read instead (a gradient's ``@MERGED`` buffer). ``drop``: sum op ->
+    inputs it leaves out here (a shared parameter's partial gradients from other stages, which arrive once
+    per step)."""
     from paddle import pir
 
-    persistent = persistent or {}
+    persistent, drop = persistent or {}, drop or {}
     original = list(view.program.global_block().ops)
-    kept = {view.ops[i].op for i in ops}
+    kept = {op for i in ops for op in view.ops[i].ops}
     produced = {n for i in ops for n in view.ops[i].output_arg_names}
     inputs: list[str] = []
-    for i in sorted(ops):
-        for name in view.ops[i].input_arg_names:
-            if name in view.free_ops:
-                kept.add(view.free_ops[name])
-            elif name not in produced and name not in inputs:
-                inputs.append(name)
+    read = [n for i in sorted(ops) for n in view.ops[i].input_arg_names if n not in drop.get(i, ())]
+    for name in read + list(reads):
+        if name in view.free_ops:
+            kept.add(view.free_ops[name])
+        elif name not in produced and name not in inputs:
+            inputs.append(name)
     mapping = pir.IrMapping()
     program = view.program.clone(mapping)
     block = program.global_block()
@@ -77,17 +84,35 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
             mapping.look_up(var.value).replace_all_uses_with(data)
             values[persistent.get(name, name)] = data
     clones = list(block.ops)[len(inputs):]
+    with paddle.static.program_guard(program):
+        sums = {view.ops[i].output_arg_names[0]: _sum_without(view.ops[i], names, mapping)
+                for i, names in drop.items() if i in ops and names}
     for op, clone in zip(reversed(original), reversed(clones)):
         if op not in kept:
             clone.erase()
+    gone = {view.ops[i].ops[0] for i, names in drop.items() if i in ops and names}  # their combines, erased
     for name, var in view.vars.items():
-        if var.value.get_defining_op() in kept and name not in values:
-            values[name] = mapping.look_up(var.value)
+        op = var.value.get_defining_op()
+        if op in kept and op not in gone and name not in values:
+            values[name] = sums[name] if name in sums else mapping.look_up(var.value)
     if hasattr(program, "lr_scheduler"):  # the runtime sets the learning rate itself, in the stage's scope
         del program.lr_scheduler
     setattr(program, VALUES, values)
     setattr(program, FEEDS, tuple(n for n, v in values.items() if _is_fed(v)))
     return program
+
+
+def _sum_without(op: Any, names: set[str], mapping: Any) -> Any:
+    """Replace the clone of the sum ``op`` (``add_n(combine(values))``) by an ``add_n`` of its other inputs;
+    returns the new sum."""
+    combine, add_n = (mapping.look_up(o.result(0)).get_defining_op() for o in op.ops)
+    kept = [v for name, v in zip(op.input("X"), combine.operands_source()) if name not in names]
+    paddle.pir.set_insertion_point_after(add_n)
+    total = paddle.add_n(kept) if len(kept) > 1 else paddle.assign(kept[0])
+    add_n.result(0).replace_all_uses_with(total)
+    add_n.erase()
+    combine.erase()
+    return total
 
 
 def _is_fed(value: Any) -> bool:
@@ -96,10 +121,19 @@ def _is_fed(value: Any) -> bool:
 
 
 def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: dict[str, str],
-                           num_microbatches: int) -> Section:
-    """The forward or backward section ``sec`` (``sections.SectionOps``; see the module docstring)."""
+                           num_microbatches: int, drop: dict[int, set[str]], recompute: list[int] = ()) -> Section:
+    """The forward or backward section ``sec`` (``sections.SectionOps``; see the module docstring); ``drop``:
+    sum op -> its inputs computed elsewhere (as ``cut_program``'s); ``recompute``: the stage's forward ops,
+    run again first (activation checkpointing: the forward kept only its inputs)."""
     ref, ops = sec.ref, sec.ops
-    program = cut_program(view, ops)
+    for i in recompute:
+        op = view.ops[i]
+        state = [n for n, v in zip(op.input_arg_names, op.op.operands_source()) if v.persistable]
+        if op.op.name().endswith("_") and state:  # an in-place update of state (batch norm's running statistics)
+            raise ValueError(f"recompute on stage {ref.stage}: {op_label(i, op)} updates '{state[0]}' in place, which "
+                             "a second run would update again; PIR programs recompute such stages not yet "
+                             "(build in legacy-IR mode, or leave this stage out of recompute)")
+    program = cut_program(view, list(recompute) + list(ops), drop=drop)
     values = getattr(program, VALUES)
     if ref.kind == BACKWARD:
         with paddle.static.program_guard(program):
@@ -115,17 +149,27 @@ def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: 
                     paddle._C_ops.set_persistable_value(g, grad)
     keep = tuple(sorted(sec.keep))
     fed = set(getattr(program, FEEDS))
-    made = [n for n in keep if n in values and n not in fed and not values[n].persistable]
-    with paddle.static.program_guard(program):
-        paddle.pir.set_insertion_point_to_block_end(program.global_block())
-        for name in made:  # written into the device's scope under its name: pir_runs moves it to the micro-batch's
-            values[name].persistable = True
-            paddle._C_ops.set_persistable_value(values[name], name)
-    setattr(program, HANDED_OVER, tuple(made))
+    _hand_over(program, [n for n in keep if n in values and n not in fed and not values[n].persistable], ref.stage)
     return Section(ref.stage, ref.kind, program, feeds=tuple(sec.feeds), keep=keep,
                    recv_routes=tuple(r.index for r in routes if r.dst == ref),
                    send_routes=tuple(r.index for r in routes if r.src == ref), source_ops=tuple(ops),
-                   runs=(Run(program, keep),))
+                   recomputed_ops=tuple(recompute), runs=(Run(program, keep),))
+
+
+def _hand_over(program: Any, names: list[str], stage: int) -> None:
+    """Write the values ``names`` of ``program`` into the device's scope, as ``<name>@TO_<stage>`` (two stages
+    of one device compute values of one name in their optimize sections), for the runtime to move into the
+    scope of the micro-batch or optimize section (``HANDED_OVER``: name -> the device scope's name)."""
+    values = getattr(program, VALUES)
+    # not the result of an in-place op (assign_value_, add_, ...): it is its input's variable, which the
+    # interpreter cannot rename; such a value is fetched and copied instead (pir_runs)
+    names = [n for n in names if not values[n].get_defining_op().name().endswith("_")]
+    with paddle.static.program_guard(program):
+        paddle.pir.set_insertion_point_to_block_end(program.global_block())
+        for name in names:
+            values[name].persistable = True
+            paddle._C_ops.set_persistable_value(values[name], f"{name}@TO_{stage}")
+    setattr(program, HANDED_OVER, {name: f"{name}@TO_{stage}" for name in names})
 
 
 def _scale_after(value: Any, factor: float) -> None:
@@ -140,29 +184,105 @@ def _scale_after(value: Any, factor: float) -> None:
 
 
 def _persistable_data(like: Any, name: str) -> Any:
+    """A data op reading the persistable ``name`` of the stage's scope, shaped as ``like`` (a value or var)."""
     data = paddle._pir_ops.data(name, list(like.shape), like.dtype, core.Place())
     data.persistable = True
     return data
 
 
-def optimize_section(view: PirView, stage: int, ops: list, merge: dict[str, str]) -> Section:
-    """Stage ``stage``'s once-per-step ops, reading the accumulated gradients, then zeroing them."""
-    plain = []
+@dataclass
+class _Piece:
+    """One run of a PIR optimize section: received partial gradients added into buffers (recv name, buffer
+    name), then ``ops``, then this stage's part of ``reduction``; the last computing piece zeroes the buffers."""
+
+    ops: list[int] = field(default_factory=list)
+    adds: list[tuple[str, str, str]] = field(default_factory=list)  # (received as, into buffer, partial)
+    reduction: Reduction | None = None
+    zero: bool = False
+
+
+def optimize_section(view: PirView, stage: int, ops: list, grads: dict[str, str], merge: dict[str, str],
+                     partials: list, assignment: Any, exchanges: Any) -> Section:
+    """Stage ``stage``'s once-per-step ops, in the legacy section's order (``optimize_section.py``): the
+    partial gradients of shared parameters to their owner, the updates reading the accumulated gradients,
+    the buffers zeroed, the shared parameters' new values to their readers. One run per stretch between
+    two exchanges. Before a cross-stage sum (``Reduction``) a run adds up the stage's own inputs into the
+    exchange's part; the exchange leaves the total under the sum's name in the scope the optimize section
+    runs in, from where later runs read it, as they read every value an earlier run made."""
+    pieces, taken = [_Piece()], []
+
+    def exchange(index: int) -> None:
+        taken.append(index)
+        pieces.append(_Piece())
+
+    for sp in partials:
+        ex = exchanges.partial[(sp.name, sp.stage)]
+        if sp.owner == stage:
+            exchange(ex.index)
+            pieces[-1].adds.append((ex.recv_as[0], grads[sp.param] + MERGED_SUFFIX, sp.name))
+        elif sp.stage == stage:
+            exchange(ex.index)
     for item in ops:
-        if not isinstance(item, int):
-            raise ValueError(f"stage {stage}: {type(item).__name__} of {op_label(item.op, view.ops[item.op])} needs "
-                             "an exchange between the stages' optimize sections, which staticpipe does not build "
-                             "for PIR programs yet (global-norm clipping, AMP loss scaling)")
-        plain.append(item)
-    program = cut_program(view, plain, persistent={g: g + MERGED_SUFFIX for g in merge})
-    values = getattr(program, VALUES)
+        if isinstance(item, Reduction):
+            pieces[-1].reduction = item
+            exchange(exchanges.reduction[item.op].index)
+        elif isinstance(item, int):
+            pieces[-1].ops.append(item)
+        else:
+            raise ValueError(f"stage {stage}: {type(item).__name__} of {op_label(item.op, view.ops[item.op])} is not "
+                             "built for PIR programs yet (AMP loss scaling)")
+    pieces[-1].zero = True
+    for param, readers in sorted(assignment.shared.items()):
+        owner = assignment.param_stage[param]
+        for peer in readers:
+            if peer != owner and stage in (owner, peer):
+                exchange(exchanges.value[(param, peer)].index)
+    buffers = {g: g + MERGED_SUFFIX for g in merge}
+    runs = []
+    for k, piece in enumerate(pieces):
+        later = {n for p_ in pieces[k + 1:] for i in p_.ops for n in view.ops[i].input_arg_names}
+        later |= {n for p_ in pieces[k + 1:] if p_.reduction is not None for n in p_.reduction.inputs}
+        runs.append(_optimize_run(view, stage, piece, buffers, later, exchanges))
+    return Section(stage, OPTIMIZE, next((r.program for r in runs if r.program is not None), None),
+                   exchanges=tuple(taken), runs=tuple(runs),
+                   source_ops=tuple(item if isinstance(item, int) else item.op for item in ops))
+
+
+def _optimize_run(view: PirView, stage: int, piece: _Piece, buffers: dict[str, str], later: set[str],
+                  exchanges: Any) -> Run:
+    if not (piece.ops or piece.adds or piece.reduction or piece.zero):
+        return Run(None)
+    reads = tuple(piece.reduction.inputs) if piece.reduction is not None else ()
+    program = cut_program(view, piece.ops, persistent=buffers, reads=reads)
+    values, feeds = getattr(program, VALUES), list(getattr(program, FEEDS))
+    handed = [n for n in sorted(later) if n in values and not values[n].persistable and n not in feeds]
     with paddle.static.program_guard(program):
+        leading = [op for op in itertools.takewhile(lambda o: o.name() in FREE_OPS, program.global_block().ops)]
+        if leading:  # after the data ops (the buffer's among them), before every op that may read the buffer
+            paddle.pir.set_insertion_point_after(leading[-1])
+        for received, buffer, partial in piece.adds:
+            like = view.var(partial)
+            values[received] = paddle._pir_ops.data(received, list(like.shape), like.dtype, core.Place())
+            feeds.append(received)
+            if buffer not in values:
+                values[buffer] = _persistable_data(like, buffer)
+            paddle._C_ops.add_(values[buffer], values[received])
         paddle.pir.set_insertion_point_to_block_end(program.global_block())
-        for grad in merge:
-            buffer = values.get(grad + MERGED_SUFFIX)
-            if buffer is not None:
-                paddle._C_ops.full_(buffer, list(buffer.shape), 0.0, buffer.dtype, core.Place())
-    return Section(stage, OPTIMIZE, program, source_ops=tuple(plain), runs=(Run(program),))
+        if piece.reduction is not None:
+            part = exchanges.reduction[piece.reduction.op].vars[0]
+            local = [values[buffers.get(n, n)] for n in piece.reduction.inputs]
+            values[part.name] = paddle.sum(paddle.stack(local)) if local else paddle.full(list(part.shape), 0.0,
+                                                                                         part.dtype)
+            handed.append(part.name)
+        if piece.zero:
+            for grad, buffer in buffers.items():
+                if buffer not in values:
+                    values[buffer] = _persistable_data(view.var(grad), buffer)
+                paddle._C_ops.full_(values[buffer], list(values[buffer].shape), 0.0, values[buffer].dtype,
+                                    core.Place())
+    setattr(program, FEEDS, tuple(feeds))
+    _hand_over(program, handed, stage)
+    return Run(program, tuple(handed))
 
 
 def init_section(view: PirView, stage: int, merge: dict[str, str]) -> Section:

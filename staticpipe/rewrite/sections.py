@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, core, framework, paddle
 from ..ir import arg_names, declared
-from ..pir_ir import PirView
+from ..pir_view import PirView
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, Exchange, Route, Section, SectionRef, Stage
 from .optimize import LOSS_SCALING_OPS, Reduction, StageSlice, place_optimize_ops, shared_partials
 from . import pir_programs
@@ -144,7 +144,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     partials, drop_in = shared_partials(block, assignment, grads)
     held = step_values(block, assignment)
     if pir:
-        pir_programs.check_supported(partials, held, recompute, split_backward)
+        pir_programs.check_supported(held, split_backward)
     drop_out: dict[SectionRef, Drops] = defaultdict(dict)
     if split_backward:
         if recompute:
@@ -232,19 +232,23 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             ref = SectionRef(s, kind)
             if pir:
                 sections[kind] = pir_programs.per_microbatch_section(
-                    block, secs[ref], routes, merge, num_microbatches)
+                    block, secs[ref], routes, merge, num_microbatches, drop_in,
+                    recompute=fwd.ops if s in recompute and kind == BACKWARD else [])
             else:
                 sections[kind] = _per_microbatch_section(
                     block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
                     drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [], held=held)
         if pir:
-            sections[OPTIMIZE] = pir_programs.optimize_section(block, s, placement.ops[s], merge)
+            sections[OPTIMIZE] = pir_programs.optimize_section(block, s, placement.ops[s], grads, merge, partials,
+                                                               assignment, exchanges)
             sections[INIT] = pir_programs.init_section(block, s, merge)
         else:
             sections[OPTIMIZE] = optimize_section(block, s, device, placement.ops[s], grads, merge, partials,
                                                   assignment, exchanges)
             sections[INIT] = init_section(block, s, device, merge)
-        names = [(name, persistable) for sec in sections.values() for name, persistable in declared(sec.program)]
+        programs = {id(p_): p_ for sec in sections.values() for p_ in [sec.program] + [r.program for r in sec.runs]
+                    if p_ is not None}
+        names = [(name, persistable) for p_ in programs.values() for name, persistable in declared(p_)]
         stages.append(Stage(
             index=s, device=device, rank=stage_ranks[s], sections=sections, recompute=s in recompute,
             parameters=tuple(n for n, st in assignment.param_stage.items() if st == s),

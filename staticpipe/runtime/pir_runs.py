@@ -61,8 +61,8 @@ class PirRuns:
                 with _FIRST_RUNS:
                     built = self._built[key] = self._build(program, feed, [values[n] for n in names])
             out = built(feed)
-        for name in getattr(program, HANDED_OVER, ()):  # the buffer goes to the micro-batch, the next run makes anew
-            made = self.scope.find_var(name).get_tensor()
+        for name, held in getattr(program, HANDED_OVER, {}).items():  # to the micro-batch; the next run makes anew
+            made = self.scope.find_var(held).get_tensor()
             scope.var(name).get_tensor()._share_data_with(made)
             made._clear()
         for name, tensor in zip(names, out):
