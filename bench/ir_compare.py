@@ -1,6 +1,7 @@
 """The same pipelines built as legacy-IR and as PIR programs, timed side by side in one run (Paddle 3.x).
 
-For each configuration (an MLP from ``models/``, ``p`` stages, ``m`` micro-batches, 1F1B, Adam) the
+For each configuration (an MLP or the GPT of ``models/``, ``p`` stages, ``m`` micro-batches, 1F1B, Adam;
+the GPT with global-norm clipping and its tied embedding exchanged between the stages) the
 legacy program is built in the process's default legacy-IR mode and the PIR one inside
 ``paddle.pir_utils.IrGuard``; both train on the same batches. Rounds interleave the two (a slow spell of
 the machine hits both alike) and the table gives each one's median step, the PIR/legacy ratio (issue 18's
@@ -23,13 +24,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import staticpipe  # noqa: E402
 from staticpipe._paddle import PADDLE_MAJOR, paddle  # noqa: E402
 from staticpipe.schedule import Kind  # noqa: E402
-from models import build_mlp  # noqa: E402
+from models import build_gpt, build_mlp  # noqa: E402
 
-CONFIGS = [  # (label, width, depth, stages, micro-batches)
+CONFIGS = [  # (label, width, depth, stages, micro-batches); "GPT": models' GPT, d_model = width, depth layers
     ("narrow MLP (machinery-bound)", 64, 4, 2, 8),
     ("narrow MLP (machinery-bound)", 64, 8, 4, 16),
     ("wide MLP (compute-bound)", 768, 4, 2, 4),
+    ("GPT, tied embedding, clip", 128, 4, 2, 4),
 ]
+
+
+GPT_WIDTH = 128
+
+
+def network(width: int, depth: int, stages: int):
+    if width == GPT_WIDTH:
+        return build_gpt(num_stages=stages, d_model=width, n_layers=depth, seq_len=32, vocab=256)
+    return build_mlp(num_stages=stages, in_dim=width, hidden=width, depth=depth)
 
 
 def mode(ir: str):
@@ -39,9 +50,10 @@ def mode(ir: str):
 def pipeline(ir: str, width: int, depth: int, stages: int, microbatches: int, batch: dict):
     """A step function of the pipelined MLP built in ``ir``, and its compute actions per step."""
     with mode(ir):
-        net = build_mlp(num_stages=stages, in_dim=width, hidden=width, depth=depth)
+        net = network(width, depth, stages)
         with paddle.static.program_guard(net.main, net.startup):
-            opt = staticpipe.PipelineOptimizer(paddle.optimizer.Adam(1e-3), num_microbatches=microbatches)
+            clip = paddle.nn.ClipGradByGlobalNorm(1.0) if width == GPT_WIDTH else None
+            opt = staticpipe.PipelineOptimizer(paddle.optimizer.Adam(1e-3, grad_clip=clip), num_microbatches=microbatches)
             opt.minimize(net.loss)
         exe = staticpipe.Executor(paddle.CPUPlace())
         exe.run(net.startup)
@@ -60,7 +72,7 @@ def main() -> None:
     paddle.enable_static()
     runs = {}
     for label, width, depth, p, m in CONFIGS:
-        batch = build_mlp(num_stages=1, guarded=False, in_dim=width, hidden=width, depth=depth).random_batch(args.batch)
+        batch = network(width, depth, p).random_batch(args.batch)
         for ir in ("legacy", "PIR"):
             runs[(label, width, p, m, ir)] = pipeline(ir, width, depth, p, m, batch)
     times: dict[tuple, list[float]] = {key: [] for key in runs}
