@@ -83,6 +83,7 @@ class Gradients:
 
     of: Any = None  # paddle.autograd.backward_utils.ValueDict
     params_grads: list = field(default_factory=list)
+    forward_of: dict = field(default_factory=dict)  # backward op -> the forward op it differentiates
 
 
 def differentiate(inner: Any, loss: Any, startup: Any, parameters: Any, no_grad_set: Any) -> tuple[Any, Gradients]:
@@ -100,10 +101,10 @@ def differentiate(inner: Any, loss: Any, startup: Any, parameters: Any, no_grad_
 
     def complete(block: Any, state: Any) -> Any:
         for fwd, bwd_ops in state.op_to_opgrad.items():
-            if fwd.has_attr(OP_DEVICE):
-                for op in bwd_ops:
-                    if not op.has_attr(OP_DEVICE):
-                        op.set_str_attr(OP_DEVICE, fwd.str_attr(OP_DEVICE))
+            for op in bwd_ops:
+                grads.forward_of[op] = fwd
+                if fwd.has_attr(OP_DEVICE) and not op.has_attr(OP_DEVICE):
+                    op.set_str_attr(OP_DEVICE, fwd.str_attr(OP_DEVICE))
         for value, grad_lists in state.value_to_valuegrad.items():
             for grad_list in grad_lists:
                 for g in grad_list:
@@ -125,6 +126,8 @@ def differentiate(inner: Any, loss: Any, startup: Any, parameters: Any, no_grad_
         for value in op.results():
             live[value] = True
     grads.of = ValueDict({g: v for g, v in grads.of.items() if g in live and v in live})
+    ops = set(loss.block.ops)
+    grads.forward_of = {b: f for b, f in grads.forward_of.items() if b in ops and f in ops}
     with pir_op_role_guard(ROLE_OPTIMIZE):
         optimize_ops = inner._apply_optimize(loss, startup_program=startup, params_grads=params_grads)
     grads.params_grads = list(params_grads)

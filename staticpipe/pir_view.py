@@ -42,6 +42,7 @@ class PirOp:
         self._sum_inputs = sum_inputs  # fused sum: its first inputs are the summed values (slot "X")
         self.type = "sum" if fused else op.name().split(".", 1)[-1]
         self._inputs, self._outputs = inputs, outputs
+        self.forward: Any = None  # a backward op: the forward op it differentiates (the PIR program's)
         self.input_arg_names = [n for n in inputs if n is not None]
         self.output_arg_names = [n for n in outputs if n is not None]
         role = op.op_role
@@ -138,6 +139,7 @@ class PirView:
                 counted[op] = len(self.ops)
                 continue
             self.ops.append(PirOp(op, len(self.ops), inputs, outputs))
+            self.ops[-1].forward = grads.forward_of.get(op)
         self.param_grads = {p.name: self.names[g] for p, g in grads.params_grads}
         self._params = [self.vars[p.name] for p in program.global_block().all_parameters()]
         self.loss = self.name_of(loss)
@@ -187,6 +189,17 @@ class PirView:
     def list_vars(self) -> list[PirVar]:
         """Every named value but the constants (a legacy program's variables)."""
         return [v for v in self.vars.values() if not v.constant]
+
+    def keeps_whole(self, i: int) -> bool:
+        """Whether backward op ``i`` stays whole in a split backward (its weight and activation gradients in
+        one op in B): ``rewrite/pir_programs.py`` rebuilds a half by Paddle's vjp of the forward op, which
+        needs the forward op (known for Paddle's own backward ops) with tensor operands and every result's
+        gradient at hand."""
+        fwd = self.ops[i].forward
+        if fwd is None or self.ops[i].type.startswith("builtin"):
+            return True
+        tensors = all(v.initialized() and v.is_dense_tensor_type() for v in fwd.operands_source())
+        return not tensors or any(f"{self.names[r]}@GRAD" not in self.vars for r in fwd.results())
 
     def name_of(self, value: Any) -> str:
         """The name of one of the program's values (``ValueError`` for a value of another program)."""

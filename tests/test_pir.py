@@ -176,13 +176,17 @@ def test_train_from_dataset_reads_the_started_loader():
     exe.close()
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(schedule="ZB-H1"), "schedules that split the backward (ZB-H1, ZB-V)"),
-])
-def test_what_pir_cannot_do_yet_is_refused_by_name(options, message):
-    with pytest.raises(ValueError, match=r"does not pipeline PIR programs with .*" + message.replace("(", r"\(")
-                       .replace(")", r"\)")):
-        build(mlp(["gpu:0", "gpu:1"]), adam, dict(num_microbatches=2, **options))
+def test_zero_bubble_splits_the_backward_and_trains_alike():
+    """ZB-H1: each backward op computing both an activation and a weight gradient is rebuilt in two halves
+    (Paddle's vjp of its forward op asked for one kind each), B on the critical path, W later."""
+    *result, opt = train_twins(mlp(["gpu:0", "gpu:1"]), adam, dict(num_microbatches=4, schedule="ZB-H1"))
+    assert_same(*result)
+    for stage in opt.plan.stages:
+        b, w = stage.sections["backward"].program, stage.sections["weight"].program
+        grads_b = [op for op in b.global_block().ops if op.name() == "pd_op.matmul_grad"]
+        grads_w = [op for op in w.global_block().ops if op.name() == "pd_op.matmul_grad"]
+        assert grads_w and all(not op.result(0).initialized() for op in grads_w)  # W: no activation gradient
+        assert all(not op.result(1).initialized() for op in grads_b)  # B: no weight gradient
 
 
 @pytest.mark.parametrize("devices, schedule", [(["gpu:0", "gpu:1"], "1F1B"),
@@ -200,14 +204,17 @@ def test_global_norm_clipping_equals_one_device(devices, schedule):
     assert all(len(st.sections["optimize"].runs) == 2 for st in opt.plan.stages)
 
 
-def test_split_points_make_a_v_layout_from_the_model_zoo():
+@pytest.mark.parametrize("schedule", ["rank 0: 0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1 0OPT 3OPT\n"
+                                      "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1OPT 2OPT", "ZB-V"],
+                         ids=["custom", "ZB-V"])
+def test_split_points_make_a_v_layout_from_the_model_zoo(schedule):
     """``models.build_mlp`` marks each stage boundary with ``split_point``: 4 stages on 2 devices in a V
-    (gpu:0, gpu:1, gpu:1, gpu:0), run by a custom schedule, against the zoo's own unguarded twin."""
+    (gpu:0, gpu:1, gpu:1, gpu:0), run by a custom schedule and by ZB-V, against the zoo's own unguarded
+    twin."""
     from models import build_mlp
 
     v = ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]
-    text = ("rank 0: 0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1 0OPT 3OPT\n"
-            "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1OPT 2OPT")
+    text = schedule
     nets = [build_mlp(num_stages=4, guarded=guarded, in_dim=FEATURES, hidden=16, depth=4, stage_devices=v)
             for guarded in (False, True)]
     rng = np.random.default_rng(3)
@@ -218,7 +225,8 @@ def test_split_points_make_a_v_layout_from_the_model_zoo():
     with paddle.static.program_guard(nets[1].main, nets[1].startup):
         opt = staticpipe.PipelineOptimizer(paddle.optimizer.Adam(0.01), num_microbatches=2, schedule=text)
         opt.minimize(nets[1].loss)
-    assert opt.plan.devices == v and len(opt.plan.ranks) == 2
+    assert opt.plan.devices == v and len(opt.plan.ranks) == 2 and opt.plan.schedule == (
+        "custom" if "rank" in schedule else "ZB-V")
     scope, ref = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     with paddle.static.scope_guard(scope):
         ref.run(nets[0].startup)
@@ -354,7 +362,7 @@ def test_tied_parameter_with_clipping_equals_one_device(devices, schedule):
     assert kinds == ["cross-stage sum", "new value", "partial gradient"]
 
 
-@pytest.mark.parametrize("stages, schedule", [(2, "1F1B"), (4, "F-then-B")])
+@pytest.mark.parametrize("stages, schedule", [(2, "1F1B"), (4, "F-then-B"), (2, "ZB-H1")])
 def test_gpt_tied_embedding_adamw_warmup_cosine_clip_equals_one_device(stages, schedule):
     """``models.build_gpt``: the token table is read by the lookup on the first stage and by the output
     projection on the last; AdamW, linear warm-up into cosine decay, global-norm clipping."""

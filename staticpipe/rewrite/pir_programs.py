@@ -32,37 +32,36 @@ from typing import Any
 from .._paddle import core, paddle
 from ..pir_ir import FEEDS, FREE_OPS, HANDED_OVER, VALUES
 from ..pir_view import PirView
-from ..plan import BACKWARD, INIT, OPTIMIZE, Route, Run, Section
+from ..plan import BACKWARD, INIT, OPTIMIZE, WEIGHT, Route, Run, Section
 from .optimize import Reduction
 from .programs import MERGED_SUFFIX
 from .stages import op_label
 
 
-def check_supported(held: frozenset, split_backward: bool) -> None:
+def check_supported(held: frozenset) -> None:
     """Refuse, naming it, what the PIR builders do not build yet (README: "PIR programs")."""
-    missing = [what for what, used in (
-        ("AMP", held),
-        ("schedules that split the backward (ZB-H1, ZB-V)", split_backward)) if used]
-    if missing:
-        raise ValueError(f"staticpipe does not pipeline PIR programs with {', '.join(missing)} yet; build the "
-                         "program in legacy-IR mode for it (STATICPIPE_LEGACY_IR=1, see README)")
+    if held:
+        raise ValueError("staticpipe does not pipeline PIR programs with AMP yet; build the program in legacy-IR "
+                         "mode for it (STATICPIPE_LEGACY_IR=1, see README)")
 
 
 def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None = None,
-                reads: tuple[str, ...] = (), drop: dict[int, set[str]] | None = None) -> Any:
+                reads: tuple[str, ...] = (), drop: dict[int, set[str]] | None = None,
+                drop_out: dict[int, set[str]] | None = None) -> Any:
     """A clone of ``view.program`` running only ``view.ops[i]`` for ``i`` in ``ops`` (in program order).
 
     Values those ops (and ``reads``, which the caller reads in ops it appends) read that they do not
     produce become data ops of their names; ``persistent`` maps some of those names to a persistable
     variable of the stage's scope read instead (a gradient's ``@MERGED`` buffer). ``drop``: sum op ->
     inputs it leaves out here (a shared parameter's partial gradients from other stages, which arrive once
-    per step)."""
+    per step). ``drop_out``: backward op -> the gradients it does not compute here (the other half of a split
+    backward computes them): the op is rebuilt by Paddle's vjp of its forward op for the others only."""
     from paddle import pir
 
-    persistent, drop = persistent or {}, drop or {}
+    persistent, drop, drop_out = persistent or {}, drop or {}, drop_out or {}
     original = list(view.program.global_block().ops)
     kept = {op for i in ops for op in view.ops[i].ops}
-    produced = {n for i in ops for n in view.ops[i].output_arg_names}
+    produced = {n for i in ops for n in view.ops[i].output_arg_names if n not in drop_out.get(i, ())}
     inputs: list[str] = []
     read = [n for i in sorted(ops) for n in view.ops[i].input_arg_names if n not in drop.get(i, ())]
     for name in read + list(reads):
@@ -85,16 +84,20 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
             values[persistent.get(name, name)] = data
     clones = list(block.ops)[len(inputs):]
     with paddle.static.program_guard(program):
-        sums = {view.ops[i].output_arg_names[0]: _sum_without(view.ops[i], names, mapping)
-                for i, names in drop.items() if i in ops and names}
+        rebuilt = {view.ops[i].output_arg_names[0]: _sum_without(view.ops[i], names, mapping)
+                   for i, names in drop.items() if i in ops and names}
+        for i, names in drop_out.items():
+            if i in ops and names:
+                rebuilt.update(_half(view, view.ops[i], names, mapping, {**values, **rebuilt}))
+                kept.discard(view.ops[i].op)
     for op, clone in zip(reversed(original), reversed(clones)):
         if op not in kept:
             clone.erase()
-    gone = {view.ops[i].ops[0] for i, names in drop.items() if i in ops and names}  # their combines, erased
+    gone = {view.ops[i].ops[0] for i, names in drop.items() if i in ops and names}  # sums' combines, erased
     for name, var in view.vars.items():
         op = var.value.get_defining_op()
-        if op in kept and op not in gone and name not in values:
-            values[name] = sums[name] if name in sums else mapping.look_up(var.value)
+        if name in rebuilt or (op in kept and op not in gone and name not in values):
+            values[name] = rebuilt[name] if name in rebuilt else mapping.look_up(var.value)
     if hasattr(program, "lr_scheduler"):  # the runtime sets the learning rate itself, in the stage's scope
         del program.lr_scheduler
     setattr(program, VALUES, values)
@@ -115,13 +118,40 @@ def _sum_without(op: Any, names: set[str], mapping: Any) -> Any:
     return total
 
 
+def _half(view: PirView, op: Any, dropped: set[str], mapping: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Replace the clone of backward op ``op`` by Paddle's vjp of its forward op (``core.call_vjp``) asked
+    for every gradient ``op`` computes but ``dropped``; returns name -> new gradient. What the vjp reads
+    (the forward's inputs and outputs, its outputs' gradients) is the section's value of that name."""
+    fwd = op.forward
+    clone = mapping.look_up(next(r for r in op.op.results() if r.initialized())).get_defining_op()
+
+    def here(value: Any) -> Any:
+        name = view.names[value]
+        return values[name] if name in values else mapping.look_up(value)
+
+    wanted = {n for n in op.output_arg_names if n not in dropped}
+    names = [view.names[v] for v in fwd.operands_source()]
+    stops = [[f"{n}@GRAD" not in wanted] for n in names]
+    grads_out = [[here(view.var(f"{view.names[r]}@GRAD").value)] for r in fwd.results()]
+    paddle.pir.set_insertion_point_after(clone)
+    made = paddle.base.core.call_vjp(mapping.look_up(fwd.result(0)).get_defining_op(),
+                                     [[here(v)] for v in fwd.operands_source()],
+                                     [[here(r)] for r in fwd.results()], grads_out, stops)
+    new = {f"{n}@GRAD": made[k][0] for k, n in enumerate(names) if f"{n}@GRAD" in wanted}
+    for result in op.op.results():
+        if result.initialized() and view.names[result] in new:
+            mapping.look_up(result).replace_all_uses_with(new[view.names[result]])
+    return new  # the old op goes with the ops the section does not run (its dropped outputs' users first)
+
+
 def _is_fed(value: Any) -> bool:
     op = value.get_defining_op()
     return op is not None and op.name() == "pd_op.data" and not value.persistable
 
 
 def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: dict[str, str],
-                           num_microbatches: int, drop: dict[int, set[str]], recompute: list[int] = ()) -> Section:
+                           num_microbatches: int, drop: dict[int, set[str]], recompute: list[int] = (),
+                           drop_out: dict[int, set[str]] | None = None) -> Section:
     """The forward or backward section ``sec`` (``sections.SectionOps``; see the module docstring); ``drop``:
     sum op -> its inputs computed elsewhere (as ``cut_program``'s); ``recompute``: the stage's forward ops,
     run again first (activation checkpointing: the forward kept only its inputs)."""
@@ -133,9 +163,9 @@ def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: 
             raise ValueError(f"recompute on stage {ref.stage}: {op_label(i, op)} updates '{state[0]}' in place, which "
                              "a second run would update again; PIR programs recompute such stages not yet "
                              "(build in legacy-IR mode, or leave this stage out of recompute)")
-    program = cut_program(view, list(recompute) + list(ops), drop=drop)
+    program = cut_program(view, list(recompute) + list(ops), drop=drop, drop_out=drop_out)
     values = getattr(program, VALUES)
-    if ref.kind == BACKWARD:
+    if ref.kind in (BACKWARD, WEIGHT):
         with paddle.static.program_guard(program):
             loss_grad = view.loss + "@GRAD"
             if loss_grad in values and num_microbatches > 1:

@@ -93,9 +93,10 @@ def split_weight_gradients(block: framework.Block, ops: list[int], params: set[s
     Returns (B ops, their dropped outputs, W ops, their dropped outputs).
     """
     b_ops, b_drop, w_ops, w_drop = [], {}, [], {}
+    whole = getattr(block, "keeps_whole", None)  # a PirView: ops whose two halves it cannot build apart
     for i in ops:
         outs = set(arg_names(block.ops[i].output_arg_names))
-        if block.ops[i].type in WHOLE_IN_B:
+        if block.ops[i].type in WHOLE_IN_B or (whole is not None and whole(i)):
             b_ops.append(i)
             continue
         weight = {n for n in outs if grad_base(n) in params}
@@ -144,7 +145,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     partials, drop_in = shared_partials(block, assignment, grads)
     held = step_values(block, assignment)
     if pir:
-        pir_programs.check_supported(held, split_backward)
+        pir_programs.check_supported(held)
     drop_out: dict[SectionRef, Drops] = defaultdict(dict)
     if split_backward:
         if recompute:
@@ -233,7 +234,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             if pir:
                 sections[kind] = pir_programs.per_microbatch_section(
                     block, secs[ref], routes, merge, num_microbatches, drop_in,
-                    recompute=fwd.ops if s in recompute and kind == BACKWARD else [])
+                    recompute=fwd.ops if s in recompute and kind == BACKWARD else [], drop_out=drop_out[ref])
             else:
                 sections[kind] = _per_microbatch_section(
                     block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
