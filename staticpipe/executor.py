@@ -12,7 +12,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ._paddle import core, framework, np, paddle
-from .ir import refuse_pir, var_names
+from .ir import is_pir_program, var_names
 from .placement import SPLIT_POINTS, parse_device, place_of
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
@@ -176,13 +176,16 @@ class Executor:
     def _forward_twin(self, program: framework.Program) -> framework.Program:
         """``program`` if it is forward-only (planned on first use), else its forward-only twin on the
         same stages, built once per training plan."""
-        refuse_pir(program, "infer_from_dataset")
         plan = plan_of(program)
         if plan is None:
             attach_plan(build_forward_plan(program), program)
             return program
         if plan.schedule == FORWARD_ONLY:
             return program
+        if is_pir_program(program):
+            raise ValueError("infer_from_dataset of a PIR training program: Paddle 3's PIR programs have no "
+                             "clone(for_test=True) to take its forward from; build the forward network again as a "
+                             "program of its own (same parameter names, layers in eval mode) and pass that")
         if plan not in self._forward_twins:
             twin = program.clone(for_test=True)
             setattr(twin, SPLIT_POINTS, set(getattr(program, SPLIT_POINTS, ())))  # forward op indices are kept
@@ -201,10 +204,11 @@ class Executor:
         batch is one evaluation step of ``num_microbatches`` micro-batches; a last, smaller batch is
         evaluated too.
 
-        ``program``: ``main.clone(for_test=True)`` taken before ``minimize``; it is rewritten once
+        ``program``: ``main.clone(for_test=True)`` taken before ``minimize`` (a PIR program, which has no
+        such clone: the forward network built again as a program of its own, same parameter names, same
+        device guards); it is rewritten once
         (the plan is kept on it). ``like``: the training program, whose chunking it follows.
         """
-        refuse_pir(program, "Executor.evaluate")
         return evaluate(self, program, dataset, fetch_list, num_microbatches, like)
 
     # --- what the last steps did ----------------------------------------------------------------------

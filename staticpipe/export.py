@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ._paddle import framework, paddle
-from .ir import clear_device_tags, refuse_pir
+from .ir import clear_device_tags, fetch_target, is_pir_program
 
 if TYPE_CHECKING:
     from .executor import Executor
@@ -18,15 +18,20 @@ if TYPE_CHECKING:
 def export_inference(program: framework.Program, feed_vars: Sequence, fetch_vars: Sequence, path: str,
                      exe: "Executor") -> None:
     """Write ``path.pdmodel`` / ``path.pdiparams`` (``paddle.static.load_inference_model`` format)."""
-    refuse_pir(program, "export_inference")
     state = exe.state_dict(program)
     scope = paddle.static.Scope()
     for name, value in state.items():
         scope.var(name).get_tensor().set(value, paddle.CPUPlace())
-    inference = clear_device_tags(program.clone(for_test=True))
-    block = inference.global_block()
-    feeds = [block.var(v if isinstance(v, str) else v.name) for v in feed_vars]
-    fetches = [block.var(v if isinstance(v, str) else v.name) for v in fetch_vars]
+    if is_pir_program(program):  # Paddle's PIR saver sets is_test itself, and serializes no op_device
+        mapping = paddle.pir.IrMapping()
+        inference = clear_device_tags(program.clone(mapping))
+        feeds, fetches = ([mapping.look_up(fetch_target(program, v) if isinstance(v, str) else v) for v in values]
+                          for values in (feed_vars, fetch_vars))
+    else:
+        inference = clear_device_tags(program.clone(for_test=True))
+        block = inference.global_block()
+        feeds = [block.var(v if isinstance(v, str) else v.name) for v in feed_vars]
+        fetches = [block.var(v if isinstance(v, str) else v.name) for v in fetch_vars]
     with paddle.static.scope_guard(scope):
         paddle.static.save_inference_model(path, feeds, fetches, paddle.static.Executor(paddle.CPUPlace()),
                                            program=inference)

@@ -140,8 +140,12 @@ def tensor_of(scope: core._Scope, name: str, where: object) -> core.LoDTensor:
 def clear_device_tags(program: framework.Program) -> framework.Program:
     """``program`` with every ``op_device`` emptied (in place). A worker runs every op of its stage on
     its own place; a "gpu:k" tag would move the op to GPU k (or warn on a CPU build). PIR's executor
-    does not read the tag staticpipe writes on PIR ops: a PIR program is returned as it is."""
+    does not read the tag staticpipe writes on PIR ops, but its serializer refuses it: on a PIR program
+    the attribute is erased."""
     if is_pir_program(program):
+        for op in program.global_block().ops:
+            if op.has_attr(OP_DEVICE):
+                op.erase_attr(OP_DEVICE)
         return program
     for op in program.global_block().ops:
         if op.has_attr(OP_DEVICE):

@@ -142,7 +142,7 @@ class PirView:
             self.ops[-1].forward = grads.forward_of.get(op)
         self.param_grads = {p.name: self.names[g] for p, g in grads.params_grads}
         self._params = [self.vars[p.name] for p in program.global_block().all_parameters()]
-        self.loss = self.name_of(loss)
+        self.loss = self.name_of(loss) if loss is not None else ""  # none: a forward-only (evaluation) program
         # placement.split_point's anchors (the op before each point) as the legacy IR's op indices
         setattr(self, SPLIT_POINTS, {0 if a is None else counted[a] for a in getattr(program, SPLIT_POINTS, [])})
 

@@ -423,10 +423,7 @@ def test_recompute_refuses_an_in_place_state_update():
 
 
 @pytest.mark.parametrize("call, what", [
-    (lambda main, exe, tmp: exe.evaluate(main, [], []), "Executor.evaluate"),
-    (lambda main, exe, tmp: exe.infer_from_dataset(main), "infer_from_dataset"),
     (lambda main, exe, tmp: staticpipe.save_plan(main, str(tmp / "plan")), "save_plan"),
-    (lambda main, exe, tmp: staticpipe.export_inference(main, [], [], str(tmp / "m"), exe), "export_inference"),
     (lambda main, exe, tmp: staticpipe.auto_place(main, 2, policy="uniform"), "auto_place"),
     (lambda main, exe, tmp: staticpipe.profile(main, batches(1)[0]), "staticpipe.profile"),
 ])
@@ -436,4 +433,82 @@ def test_what_does_not_take_pir_programs_yet_says_so(call, what, tmp_path):
     with pytest.raises(ValueError, match=rf"^{what} does not take PIR programs yet \(Paddle 3's default IR\); build the "
                                          r"program in legacy-IR mode for it \(STATICPIPE_LEGACY_IR=1, see README\)$"):
         call(main, exe, tmp_path)
+    exe.close()
+
+
+def test_export_inference_gives_the_trained_network(tmp_path):
+    """The exported PIR model (Paddle's ``save_inference_model``) computes, from the pipeline's trained state,
+    what the same network computes on one device from that state."""
+    values = {}
+    main, startup, loss, _ = build(mlp(["gpu:0", "gpu:1"], data=values), adam, dict(num_microbatches=2))
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    for batch in batches(2):
+        exe.run(main, feed=batch, fetch_list=[loss])
+    staticpipe.export_inference(main, [values["x"], values["y"]], [loss], str(tmp_path / "model"), exe)
+    trained = [exe.state_dict(main)[n] for n in params(main)]
+    exe.close()
+    batch = batches(1, seed=7)[0]
+    plain = paddle.static.Executor(paddle.CPUPlace())
+    program, feeds, fetches = paddle.static.load_inference_model(str(tmp_path / "model"), plain)
+    assert sorted(feeds) == ["x", "y"]
+    exported = plain.run(program, feed=batch, fetch_list=fetches)[0]
+    forward, forward_startup = paddle.static.Program(), paddle.static.Program()  # the same network, no update
+    with paddle.utils.unique_name.guard(), paddle.static.program_guard(forward, forward_startup):
+        forward_loss = mlp(["gpu:0", "gpu:1"])()
+    scope = paddle.static.Scope()
+    with paddle.static.scope_guard(scope):
+        plain.run(forward_startup)
+        for name, value in zip(params(forward), trained):
+            scope.find_var(name).get_tensor().set(value, paddle.CPUPlace())
+        expected = plain.run(forward, feed=batch, fetch_list=[forward_loss])[0]
+    np.testing.assert_allclose(exported, expected, rtol=1e-6)
+
+
+def test_evaluate_and_infer_a_forward_program_on_the_trained_stages():
+    """PIR has no ``clone(for_test=True)``: the evaluation program is the forward network built again (same
+    names, same guards). Its pipelined evaluation equals one device's on the trained state, and
+    ``infer_from_dataset`` runs it over a loader; a training program's inference says what to do instead."""
+    data = batches(2)
+    main, startup = paddle.static.Program(), paddle.static.Program()
+
+    def linear(x, size, name):  # parameters named by the model, so both programs read the same ones
+        return paddle.nn.Linear(x.shape[-1], size, weight_attr=paddle.ParamAttr(name=f"{name}.w"),
+                                bias_attr=paddle.ParamAttr(name=f"{name}.b"))(x)
+
+    def network():
+        x = paddle.static.data("x", [None, FEATURES], "float32")
+        y = paddle.static.data("y", [None, 1], "int64")
+        with staticpipe.device_guard("gpu:0"):
+            h = paddle.nn.functional.relu(linear(x, 16, "first"))
+        with staticpipe.device_guard("gpu:1"):
+            return paddle.mean(paddle.nn.functional.cross_entropy(linear(h, CLASSES, "last"), y))
+
+    with paddle.static.program_guard(main, startup):
+        loss = network()
+        staticpipe.PipelineOptimizer(adam(), num_microbatches=2).minimize(loss)
+    evaluation = paddle.static.Program()
+    with paddle.static.program_guard(evaluation, paddle.static.Program()):
+        eval_loss = network()
+    assert sorted(params(evaluation)) == sorted(params(main)) == ["first.b", "first.w", "last.b", "last.w"]
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    exe.run(main, feed=data[0], fetch_list=[loss])
+    trained = exe.state_dict(main)
+
+    class Batches:
+        def epoch(self):
+            return iter(data)
+
+    (mean_loss,) = exe.evaluate(evaluation, Batches(), [eval_loss], num_microbatches=2)
+    scope, plain = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    for name in params(evaluation):
+        scope.var(name).get_tensor().set(trained[name], paddle.CPUPlace())
+    with paddle.static.scope_guard(scope):
+        expected = np.mean([plain.run(evaluation, feed=b, fetch_list=[eval_loss])[0] for b in data])
+    np.testing.assert_allclose(mean_loss, expected, rtol=1e-6)
+    assert staticpipe.plan_of(evaluation).schedule == "forward-only"
+    with pytest.raises(ValueError, match="infer_from_dataset of a PIR training program: Paddle 3's PIR programs have "
+                                         r"no clone\(for_test=True\)"):
+        exe.infer_from_dataset(main)
     exe.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .._paddle import framework, np
-from ..ir import as_float, var_names
+from ..ir import as_float, program_view, var_names
 from ..plan import attach_plan, plan_of
 from ..rewrite import build_forward_plan
 
@@ -20,8 +20,8 @@ def evaluate(exe: "Executor", program: framework.Program, dataset: Any, fetch_li
         chunked = trained is not None and len(trained.stages) > len(trained.ranks)
         attach_plan(build_forward_plan(program, num_microbatches, chunked,
                                        dp_degree=trained.dp_degree if trained is not None else 1), program)
-    names = var_names(fetch_list, like if like is not None else program)
-    dtypes = [program.global_block()._var_recursive(n).dtype for n in names]
+    names = var_names(fetch_list, program)
+    dtypes = [program_view(program).global_block()._var_recursive(n).dtype for n in names]
     totals, samples = None, 0
     for batch in dataset.epoch():
         n = len(next(iter(batch.values())))
