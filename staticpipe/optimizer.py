@@ -13,7 +13,7 @@ from typing import Any
 
 from . import placement
 from ._paddle import OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, framework, paddle
-from .pir_ir import NAMES, VIEW, Gradients, differentiate, is_pir_value
+from .pir_ir import Gradients, differentiate, is_pir_value
 from .pir_view import PirView
 from .placement import split_points_kept
 from .plan import Plan, attach_plan, plan_of
@@ -137,8 +137,7 @@ class PipelineOptimizer:
                              "nothing would ever train")
         self.plan = plan_with(view, view.loss, self.options)
         attach_plan(self.plan, program, startup)
-        setattr(program, NAMES, view.name_of)
-        setattr(program, VIEW, view)
+        view.attach()
         return result
 
 

@@ -78,11 +78,10 @@ def tag_new_ops(block: Any, before: set, device: str) -> None:
 
 @dataclass
 class Gradients:
-    """What ``ir_backward`` knew while it differentiated: backward op -> its forward op's device is already
-    copied; ``of``: gradient value -> the forward value it is the gradient of."""
+    """What ``ir_backward`` knew while it differentiated (each backward op's device is already copied from
+    its forward op): ``of``: gradient value -> the forward value it is the gradient of."""
 
     of: Any = None  # paddle.autograd.backward_utils.ValueDict
-    params_grads: list = field(default_factory=list)
     forward_of: dict = field(default_factory=dict)  # backward op -> the forward op it differentiates
 
 
@@ -90,7 +89,7 @@ def differentiate(inner: Any, loss: Any, startup: Any, parameters: Any, no_grad_
     """``inner.minimize(loss, ...)`` on a PIR program with backward ops tagged role 1 and update ops role 2,
     every backward op carrying its forward op's device. Returns (what ``minimize`` returns, gradients)."""
     from paddle.autograd import ir_backward
-    from paddle.autograd.backward_utils import ValueDict
+    from paddle.autograd.backward_utils import ValueDict, ValueSet
     from paddle.base.framework import pir_op_role_guard
 
     original = getattr(ir_backward, _HOOK, None)
@@ -121,16 +120,12 @@ def differentiate(inner: Any, loss: Any, startup: Any, parameters: Any, no_grad_
         setattr(ir_backward, _HOOK, original)
     # only values the program still holds: ir_backward erases ops it made and then pruned, and a value made
     # later (by the update ops) may reuse a freed value's address, which is what a ValueDict keys by
-    live = ValueDict()
-    for op in loss.block.ops:
-        for value in op.results():
-            live[value] = True
+    live = ValueSet([value for op in loss.block.ops for value in op.results()])
     grads.of = ValueDict({g: v for g, v in grads.of.items() if g in live and v in live})
     ops = set(loss.block.ops)
     grads.forward_of = {b: f for b, f in grads.forward_of.items() if b in ops and f in ops}
     with pir_op_role_guard(ROLE_OPTIMIZE):
         optimize_ops = inner._apply_optimize(loss, startup_program=startup, params_grads=params_grads)
-    grads.params_grads = list(params_grads)
     return (optimize_ops, params_grads), grads
 
 
@@ -161,18 +156,17 @@ def section_values(program: Any) -> dict[str, Any]:
     return getattr(program, VALUES, {})
 
 
-NAMES = "_staticpipe_value_names"  # main program attribute: the rewrite's value -> name (``PirView.name_of``)
-VIEW = "_staticpipe_view"  # main program attribute: the ``PirView`` its plan was built from
+VIEW = "_staticpipe_view"  # program attribute: the ``pir_view.PirView`` its plan was built from
 
 
 def value_name(program: Any, value: Any, what: str) -> str:
     """The rewrite's name of ``value``, a value of the pipelined PIR ``program``; ``ValueError`` naming
     ``what`` for a value of another program or of a program that was not pipelined."""
-    name_of = getattr(program, NAMES, None)
-    if name_of is None:
+    view = getattr(program, VIEW, None)
+    if view is None:
         raise ValueError(f"{what} is a PIR value, but the program it is fetched from was not pipelined by "
                          "staticpipe.PipelineOptimizer.minimize; fetch it by name")
     try:
-        return name_of(value)
+        return view.name_of(value)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None

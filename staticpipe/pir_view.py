@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._paddle import OP_DEVICE, OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core
-from .pir_ir import FREE_OPS, SPLIT_POINTS, Gradients
+from .pir_ir import FREE_OPS, SPLIT_POINTS, VIEW, Gradients
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,7 +119,6 @@ class PirView:
         self.vars: dict[str, PirVar] = {}
         self.free_ops: dict[str, Any] = {}
         self.ops: list[PirOp] = []
-        self.grad_of: dict[str, str] = {}  # gradient name -> forward value name
         counted: dict[Any, int] = {}  # op -> how many of the view's ops come before it or are it
         for position, op in enumerate(program.global_block().ops):
             free = op.name() in FREE_OPS and op.num_operands() == 0
@@ -140,7 +139,6 @@ class PirView:
                 continue
             self.ops.append(PirOp(op, len(self.ops), inputs, outputs))
             self.ops[-1].forward = grads.forward_of.get(op)
-        self.param_grads = {p.name: self.names[g] for p, g in grads.params_grads}
         self._params = [self.vars[p.name] for p in program.global_block().all_parameters()]
         self.loss = self.name_of(loss) if loss is not None else ""  # none: a forward-only (evaluation) program
         # placement.split_point's anchors (the op before each point) as the legacy IR's op indices
@@ -151,9 +149,7 @@ class PirView:
         if kind in ("builtin.parameter", "pd_op.data"):
             name = value.name
         elif grads.of is not None and value in grads.of and grads.of[value] in self.names:
-            base = self.names[grads.of[value]]
-            name = base + "@GRAD"
-            self.grad_of[name] = base
+            name = self.names[grads.of[value]] + "@GRAD"
         else:
             name = f"{kind.split('.', 1)[-1]}_{index}.tmp_{k}"
         if name in self.vars:  # a second gradient of one value (never seen), or a clash: stay unique
@@ -200,6 +196,12 @@ class PirView:
             return True
         tensors = all(v.initialized() and v.is_dense_tensor_type() for v in fwd.operands_source())
         return not tensors or any(f"{self.names[r]}@GRAD" not in self.vars for r in fwd.results())
+
+    def attach(self) -> "PirView":
+        """Keep this view on its program (``pir_ir.VIEW``), where fetch lists and the user-facing layers read
+        the program through it (``ir.program_view``, ``pir_ir.value_name``)."""
+        setattr(self.program, VIEW, self)
+        return self
 
     def name_of(self, value: Any) -> str:
         """The name of one of the program's values (``ValueError`` for a value of another program)."""

@@ -158,6 +158,12 @@ class Section:
         return self.runs[0]
 
     @property
+    def programs(self) -> tuple:
+        """Its program and its runs' programs, each once (a PIR optimize section's runs are programs of
+        their own; a legacy section's are copies of its program)."""
+        return tuple({id(p): p for p in (self.program, *(r.program for r in self.runs)) if p is not None}.values())
+
+    @property
     def num_compute_ops(self) -> int:
         from .ir import num_compute_ops  # here: reading a plan's data needs no Paddle
 

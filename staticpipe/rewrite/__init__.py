@@ -10,7 +10,7 @@ from typing import Iterable
 
 from .._paddle import framework
 from ..ir import is_pir_program, np_dtype
-from ..pir_ir import NAMES, VIEW, Gradients
+from ..pir_ir import Gradients
 from ..pir_view import PirView
 from ..plan import FORWARD_ONLY, Plan
 from ..schedule import Schedule, get_kind, lower, make_schedule, validate
@@ -94,10 +94,7 @@ def build_forward_plan(program: framework.Program, num_microbatches: int = 1, ch
     micro-batch. ``chunked`` and ``dp_degree`` must match the training plan's."""
     options = PlanOptions(num_microbatches, micro_batch_size=micro_batch_size, dp_degree=dp_degree)
     if is_pir_program(program):  # read through a view, which also names the values a fetch list gives
-        view = PirView(program, Gradients(), None)
-        setattr(program, NAMES, view.name_of)
-        setattr(program, VIEW, view)
-        program = view
+        program = PirView(program, Gradients(), None).attach()
     assignment = assign_stages(program, chunked=chunked)
     if any(role != "forward" for role in assignment.role):
         raise ValueError("an evaluation program must hold forward ops only: take main_program.clone(for_test=True) "

@@ -3,8 +3,8 @@
 A section is a clone of the differentiated program with every op it does not run erased (in reverse
 order, so no erased op still has a user). A value it reads from another section becomes a ``pd_op.data``
 of the value's name, which the runtime feeds from the micro-batch's scope (``runtime/pir_runs.py``); the
-values it produces for later sections are fetched by name (the section program's ``VALUES`` attribute
-maps names to its values). Stage-free ops (parameters, persistable state, constants: ``pir_ir.FREE_OPS``)
+values it produces for later sections are handed over to that scope (see below; the section program's
+``VALUES`` attribute maps names to its values). Stage-free ops (parameters, persistable state, constants: ``pir_ir.FREE_OPS``)
 are kept in every section that reads them.
 
 The same section analysis as the legacy IR's (``sections.py``) decides what each section runs, keeps and
@@ -20,8 +20,8 @@ sends; only these builders differ:
 
 What a section leaves for later sections (its ``keep``) is written into the device's scope
 (``_hand_over``), from where the runtime moves each value's buffer to the micro-batch's scope after the
-run: no fetch, no copy (a fetched value aliases the executor's fetch
-buffer and must be copied; 60 -> 45 µs a run for a small forward section).
+run: no fetch, no copy (a fetched value aliases the executor's fetch buffer and must be copied; 60 -> 45 µs
+a run for a small forward section).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._paddle import core, paddle
-from ..pir_ir import FEEDS, FREE_OPS, HANDED_OVER, VALUES
+from ..pir_ir import FEEDS, FREE_OPS, HANDED_OVER, VALUES, is_pir_data
 from ..pir_view import PirView
 from ..plan import BACKWARD, INIT, OPTIMIZE, WEIGHT, Route, Run, Section
 from .optimize import Reduction
@@ -77,9 +77,8 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
         for name in inputs:
             var = view.var(name)
             pir.reset_insertion_point_to_start()
-            data = paddle._pir_ops.data(persistent.get(name, name), list(var.shape), var.dtype, core.Place())
-            if name in persistent:
-                data.persistable = True
+            data = (_persistable_data(var, persistent[name]) if name in persistent else
+                    paddle._pir_ops.data(name, list(var.shape), var.dtype, core.Place()))
             mapping.look_up(var.value).replace_all_uses_with(data)
             values[persistent.get(name, name)] = data
     clones = list(block.ops)[len(inputs):]
@@ -101,7 +100,7 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
     if hasattr(program, "lr_scheduler"):  # the runtime sets the learning rate itself, in the stage's scope
         del program.lr_scheduler
     setattr(program, VALUES, values)
-    setattr(program, FEEDS, tuple(n for n, v in values.items() if _is_fed(v)))
+    setattr(program, FEEDS, tuple(n for n, v in values.items() if is_pir_data(v)))
     return program
 
 
@@ -142,11 +141,6 @@ def _half(view: PirView, op: Any, dropped: set[str], mapping: Any, values: dict[
         if result.initialized() and view.names[result] in new:
             mapping.look_up(result).replace_all_uses_with(new[view.names[result]])
     return new  # the old op goes with the ops the section does not run (its dropped outputs' users first)
-
-
-def _is_fed(value: Any) -> bool:
-    op = value.get_defining_op()
-    return op is not None and op.name() == "pd_op.data" and not value.persistable
 
 
 def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: dict[str, str],

@@ -247,9 +247,8 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             sections[OPTIMIZE] = optimize_section(block, s, device, placement.ops[s], grads, merge, partials,
                                                   assignment, exchanges)
             sections[INIT] = init_section(block, s, device, merge)
-        programs = {id(p_): p_ for sec in sections.values() for p_ in [sec.program] + [r.program for r in sec.runs]
-                    if p_ is not None}
-        names = [(name, persistable) for p_ in programs.values() for name, persistable in declared(p_)]
+        names = [(name, persistable) for sec in sections.values() for p_ in sec.programs
+                 for name, persistable in declared(p_)]
         stages.append(Stage(
             index=s, device=device, rank=stage_ranks[s], sections=sections, recompute=s in recompute,
             parameters=tuple(n for n, st in assignment.param_stage.items() if st == s),

@@ -4,11 +4,12 @@ Why it differs from the legacy runs (``DeviceWorker.execute``): Paddle's executo
 private child scope and frees every non-persistable value when the run ends, and it takes feeds only for
 data ops. So the rewrite makes every value a section reads from elsewhere a data op of the value's name
 (``rewrite/pir_programs.py``), and this runner feeds those from the micro-batch's scope, runs the program
-in the device's root scope (where parameters, optimizer state and gradient buffers live), and stores the
-values later sections need back into the micro-batch's scope. Everything else of the step machinery --
+in the device's root scope (where parameters, optimizer state and gradient buffers live), and moves the
+values later sections need into the micro-batch's scope (handed over through the device's scope, or, for
+what an in-place op or a fetch list gives, fetched and copied). Everything else of the step machinery --
 scopes per micro-batch, sends, receives, keep lists, memory accounting -- is the legacy runs' own.
 
-Two facts of Paddle 3.3 shape it (``../shared/notes/pir-facts.md``, re-checked by ``tests/test_pir.py``):
+Facts of Paddle 3.3 that shape it (``../shared/notes/pir-facts.md``, re-checked by ``tests/test_pir.py``):
 - a fetched tensor aliases the executor's fetch buffer, which the program's next run overwrites: what is
   kept is a copy; an output a kernel leaves unallocated (batch norm's reserve space on CPU) is kept as an
   empty tensor, which the op reading it ignores as it would the unallocated one;

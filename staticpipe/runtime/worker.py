@@ -59,9 +59,8 @@ class RankProgram:
                 names.update(sections[kind].keep if kind in sections else ())
             names.update(v.name for r in plan.routes if r.dst.stage == stage for v in r.vars)
             leftovers[stage] = tuple(sorted(names))
-        optimize_leftovers = {a.stage: tuple(sorted({name for run in plan.stages[a.stage].sections[OPTIMIZE].runs
-                                                     if run.program is not None
-                                                     for name, persistable in declared(run.program) if not persistable}))
+        optimize_leftovers = {a.stage: tuple(sorted({name for p in plan.stages[a.stage].sections[OPTIMIZE].programs
+                                                     for name, persistable in declared(p) if not persistable}))
                               for a in actions if a.kind is Kind.OPT}
         first = next((a.stage for a in actions if a.kind is Kind.OPT), None)
         return cls(actions, {i: True for i in last.values()}, groups, leftovers, optimize_leftovers, first)
