@@ -33,6 +33,7 @@ PRECISIONS = ("fp32", "fp16-O1", "bf16", "bf16-pure")
 
 def run_one(args) -> dict:
     import staticpipe
+    staticpipe.use_legacy_ir()  # on Paddle 3: AMP pipelines are built in the legacy IR (README "PIR programs")
     from models import build_gpt, build_mlp
     import paddle  # after staticpipe, which settles Paddle's IR flag
     from paddle.static.amp.bf16.amp_utils import convert_float_to_uint16

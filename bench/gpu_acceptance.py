@@ -86,7 +86,8 @@ class Context:
     """What a check needs to know: CPU dry run or GPUs, sizes, tolerances, places."""
 
     def __init__(self, cpu: bool, quick: bool, tf32: bool, in_process: bool = False):
-        import staticpipe  # noqa: F401  (first: it settles Paddle's static-IR flag)
+        import staticpipe  # first: it settles Paddle's static-IR flag
+        staticpipe.use_legacy_ir()  # on Paddle 3: its checks include AMP and saved plans, legacy-IR features there
         import paddle
 
         paddle.enable_static()

@@ -2,7 +2,7 @@
 
 For each configuration (an MLP or the GPT of ``models/``, ``p`` stages, ``m`` micro-batches, 1F1B, Adam;
 the GPT with global-norm clipping and its tied embedding exchanged between the stages) the
-legacy program is built in the process's default legacy-IR mode and the PIR one inside
+legacy program is built in legacy-IR mode (the process opts in) and the PIR one inside
 ``paddle.pir_utils.IrGuard``; both train on the same batches. Rounds interleave the two (a slow spell of
 the machine hits both alike) and the table gives each one's median step, the PIR/legacy ratio (issue 18's
 target: <= 1.05) and the time per compute action (F, B, OPT), which on the narrow MLP is mostly
@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
+staticpipe.use_legacy_ir()  # on Paddle 3: the process's mode: legacy programs; the PIR ones are built under IrGuard
 from staticpipe._paddle import PADDLE_MAJOR, paddle  # noqa: E402
 from staticpipe.schedule import Kind  # noqa: E402
 from models import build_gpt, build_mlp  # noqa: E402

@@ -19,6 +19,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
+
+# save_plan writes legacy program descs: on Paddle 3 this script opts in to the legacy IR (README "PIR programs")
+staticpipe.use_legacy_ir()
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 

@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--amp", choices=["fp16", "bf16"], help="mixed precision (default: float32)")
     args = ap.parse_args()
-
+    if args.amp:  # staticpipe pipelines AMP programs in the legacy IR: on Paddle 3 this run opts in (README "PIR programs")
+        staticpipe.use_legacy_ir()
     net = build_gpt(num_stages=args.stages, n_layers=max(4, args.stages))
     lr = paddle.optimizer.lr
     schedule = lr.LinearWarmup(lr.CosineAnnealingDecay(3e-3, T_max=args.steps), 5, 0.0, 3e-3)

@@ -36,6 +36,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402  (first: it settles Paddle's static-IR flag)
+
+# models' ResNet is built with legacy-only layers (paddle.static.nn.conv2d, batch_norm): on Paddle 3 this
+# script opts in to the legacy IR (README "PIR programs")
+staticpipe.use_legacy_ir()
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 

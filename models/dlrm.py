@@ -57,14 +57,12 @@ def build_dlrm(
     with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
         with _on_device(devices[0], guarded):
             ids = [paddle.static.data(f"sparse_{i}", [None, 1], "int64") for i in range(sparse_fields)]
-            looked_up = [
-                paddle.reshape(paddle.static.nn.embedding(
-                    field_ids, size=[vocab_size, embed_dim], is_sparse=is_sparse,
-                    param_attr=paddle.ParamAttr(name=f"sparse_embedding_{i}",
-                                                initializer=paddle.nn.initializer.Uniform(-bound, bound))),
-                    [-1, embed_dim])
-                for i, field_ids in enumerate(ids)
-            ]
+            tables = [paddle.static.create_parameter(  # not static.nn.embedding: it builds legacy programs only
+                [vocab_size, embed_dim], "float32", attr=paddle.ParamAttr(
+                    name=f"sparse_embedding_{i}", initializer=paddle.nn.initializer.Uniform(-bound, bound)))
+                for i in range(sparse_fields)]
+            looked_up = [paddle.reshape(paddle.nn.functional.embedding(field_ids, table, sparse=is_sparse),
+                                        [-1, embed_dim]) for field_ids, table in zip(ids, tables)]
             embeddings = paddle.concat(looked_up, axis=1)  # [B, sparse_fields * embed_dim]
             wide = _dense(embeddings, 1, act=None)
         with _on_device(unit_device[0], guarded):

@@ -3,6 +3,7 @@
 build (device_guard) -> rewrite (PipelineOptimizer, Plan) -> schedule (action lists) -> run (Executor).
 """
 from . import io, schedule
+from ._paddle import use_legacy_ir
 from .optimizer import PipelineOptimizer
 from .placement import Device, device_guard, parse_device, split_point
 from .plan import Plan, plan_of
@@ -16,4 +17,4 @@ from .verify import VerifyReport, verify
 
 __all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError", "NonFiniteError",
            "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference",
-           "auto_place", "profile", "save_plan", "load_plan"]
+           "auto_place", "profile", "save_plan", "load_plan", "use_legacy_ir"]

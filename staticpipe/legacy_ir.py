@@ -1,22 +1,25 @@
-"""Paddle 3.x in legacy-IR mode: the stopgap that lets staticpipe rewrite the static programs it knows.
+"""Paddle 3.x in legacy-IR mode: an explicit opt-in for programs written for Paddle's legacy static IR.
 
-Why: staticpipe's rewrite works on Paddle's legacy program IR (ops with ``op_device`` and ``op_role``).
-Paddle 3 builds PIR programs by default and is removing the legacy IR release by release:
+Paddle 3 builds PIR programs by default, and so does staticpipe on it (``pir_ir.py``). Legacy-IR mode is
+for users whose programs, or whose features (see README "PIR programs"), still need the legacy IR, which
+Paddle is removing release by release:
 
 - the IR is chosen when ``paddle`` is imported (``global_var._use_pir_api_``, ``paddle.static.Program``,
   the dtype objects), so a later flag change alone leaves ``import paddle, staticpipe`` building PIR;
-  ``use_legacy_ir`` switches the process back the way Paddle's own ``OldIrGuard`` does;
+  ``use_legacy_ir`` switches the process the way Paddle's own ``OldIrGuard`` does. It runs at import when
+  ``STATICPIPE_LEGACY_IR=1`` is set, whatever was imported first, or when a script calls
+  ``staticpipe.use_legacy_ir()`` before building its programs;
 - 56 Python APIs (``paddle.sqrt``, ``tanh``, ``matmul``, ``sum``, ``maximum``, ...) became thin wrappers of
   ``paddle._C_ops``, which build PIR ops only and reject a legacy ``Variable`` ("must be Value, but got
   Variable") -- Paddle's own ``ClipGradByGlobalNorm`` calls two of them. ``install`` puts a wrapper in
   front of each: given a legacy ``Variable`` in legacy static mode it appends the legacy op (``sqrt``,
   ``matmul_v2``, ``reduce_sum``, ``elementwise_max``, ...) through ``LayerHelper``, as Paddle 2.6 did;
-  anything else (dygraph tensors, PIR values under ``paddle.pir_utils.IrGuard``) goes to Paddle's own
-  function unchanged. An API without a legacy builder here raises an error naming it.
+  anything else (PIR values, dygraph tensors) goes to Paddle's own function unchanged. So the wrappers are
+  installed on every Paddle 3 import: a legacy program built under Paddle's ``OldIrGuard`` works too. An
+  API without a legacy builder here raises an error naming it.
 
-``STATICPIPE_LEGACY_IR=0`` turns all of it off (Paddle 3 then builds PIR programs, which staticpipe's
-rewrite does not read). ``BUILDERS`` is the list ``tests/test_legacy_ir.py`` checks against the installed
-Paddle, so the next API Paddle moves shows up there by name.
+``BUILDERS`` is the list ``tests/test_legacy_ir.py`` checks against the installed Paddle, so the next API
+Paddle moves shows up there by name.
 """
 from __future__ import annotations
 
@@ -149,6 +152,11 @@ def _front(name: str, original: Callable) -> Callable:
     return api
 
 
+def opted_in() -> bool:
+    """``STATICPIPE_LEGACY_IR`` set to 1 (or true, yes, on): the process builds legacy programs."""
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def use_legacy_ir() -> None:
     """Make legacy static programs the default in this process, whatever was imported first."""
     paddle.set_flags({"FLAGS_enable_pir_api": False})
@@ -156,12 +164,11 @@ def use_legacy_ir() -> None:
     paddle.pir_utils._switch_to_old_ir_()
 
 
-def install() -> bool:
-    """Switch to the legacy IR and front every moved API (module docstring); idempotent; False when
-    ``STATICPIPE_LEGACY_IR=0`` turns it off."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    use_legacy_ir()
+def install() -> None:
+    """Front every moved API (module docstring), idempotent; switch the process to the legacy IR when
+    ``STATICPIPE_LEGACY_IR`` opts in."""
+    if opted_in():
+        use_legacy_ir()
     namespaces = [(paddle, generated.funcs_map), (paddle.tensor, generated.methods_map),
                   (paddle.nn.functional, generated.nn_funcs_map), (framework.Variable, generated.methods_map)]
     for namespace, pairs in namespaces:
@@ -169,4 +176,3 @@ def install() -> bool:
             current = getattr(namespace, name, None)
             if current is not None and not hasattr(current, "__staticpipe_front__"):
                 setattr(namespace, name, _front(name, current))
-    return True

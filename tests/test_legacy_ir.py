@@ -1,4 +1,5 @@
-"""Paddle 3.x's legacy-IR mode (``staticpipe/legacy_ir.py``): whatever the import order, legacy programs;
+"""Paddle 3.x's legacy-IR mode (``staticpipe/legacy_ir.py``): PIR programs by default; the opt-in
+(``STATICPIPE_LEGACY_IR=1``, ``staticpipe.use_legacy_ir()``) gives legacy programs whatever the import order;
 every API staticpipe's users and Paddle's own clipping call builds legacy ops; dygraph and PIR untouched.
 
 The boundary check (``test_every_api_we_rely_on_builds_legacy_ops``) is the one to read after a Paddle
@@ -108,36 +109,63 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     {imports}
     paddle.enable_static()
-    from paddle.base import framework
+    {opt_in}
     main = paddle.static.Program()
     with paddle.static.program_guard(main, paddle.static.Program()):
         x = paddle.static.data("x", [None, 4], "float32")
         paddle.sqrt(x)
     print(type(main).__module__, [op.type if hasattr(op, "type") else op.name() for op in main.global_block().ops])
 """)
+IMPORTS = ["import paddle\nimport staticpipe", "import staticpipe\nimport paddle"]
+LEGACY = "paddle.base.framework ['sqrt']"
+PIR = "paddle.base.libpaddle.pir ['pd_op.data', 'pd_op.sqrt']"
 
 
-@PADDLE3
-@pytest.mark.parametrize("imports", ["import paddle\nimport staticpipe", "import staticpipe\nimport paddle"])
-@pytest.mark.parametrize("flag", [None, "1", "0"])
-def test_legacy_programs_whatever_the_import_order_and_flag(imports, flag):
-    env = {k: v for k, v in os.environ.items() if k not in ("FLAGS_enable_pir_api", "STATICPIPE_LEGACY_IR")}
-    if flag is not None:
-        env["FLAGS_enable_pir_api"] = flag
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=REPO, imports=imports)], env=env,
-                         capture_output=True, text=True, timeout=100)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "paddle.base.framework ['sqrt']"
-
-
-@PADDLE3
-def test_staticpipe_legacy_ir_0_turns_it_off():
-    env = dict(os.environ, STATICPIPE_LEGACY_IR="0")
-    env.pop("FLAGS_enable_pir_api", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=REPO, imports="import staticpipe\nimport paddle")],
+def built(imports: str, opt_in: str = "", **env: str) -> str:
+    """What a fresh process builds, with ``env`` over this one's (the conftest's opt-in taken out)."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("FLAGS_enable_pir_api", "STATICPIPE_LEGACY_IR")},
+           **env}
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(repo=REPO, imports=imports, opt_in=opt_in)],
                          env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1].startswith("paddle.base.libpaddle.pir")
+    return out.stdout.strip().splitlines()[-1]
+
+
+@PADDLE3
+@pytest.mark.parametrize("imports", IMPORTS)
+@pytest.mark.parametrize("switch", [{}, {"STATICPIPE_LEGACY_IR": "0"}], ids=["no-flags", "opt-in-off"])
+def test_pir_programs_by_default(imports, switch):
+    assert built(imports, **switch) == PIR
+
+
+@PADDLE3
+@pytest.mark.parametrize("imports", IMPORTS)
+@pytest.mark.parametrize("flag", [None, "1", "0"])
+def test_the_opt_in_gives_legacy_programs_whatever_the_import_order_and_flag(imports, flag):
+    env = {"STATICPIPE_LEGACY_IR": "1", **({} if flag is None else {"FLAGS_enable_pir_api": flag})}
+    assert built(imports, **env) == LEGACY
+
+
+@PADDLE3
+@pytest.mark.parametrize("imports", IMPORTS)
+def test_use_legacy_ir_in_a_script_opts_in(imports):
+    assert built(imports, opt_in="staticpipe.use_legacy_ir()") == LEGACY
+
+
+@PADDLE3
+def test_a_legacy_program_under_paddles_old_ir_guard_gets_the_legacy_builders():
+    """No opt-in: Paddle's own OldIrGuard builds a legacy program, and Paddle's clipping (which calls moved
+    APIs) still appends legacy ops to it."""
+    script = SCRIPT.replace("    paddle.sqrt(x)", "    paddle.nn.ClipGradByGlobalNorm(1.0)([(x, paddle.sqrt(x))])")
+    script = script.replace("main = paddle.static.Program()", "guard = paddle.pir_utils.OldIrGuard(); guard.__enter__()"
+                            "; main = paddle.static.Program()")
+    env = {k: v for k, v in os.environ.items() if k not in ("FLAGS_enable_pir_api", "STATICPIPE_LEGACY_IR")}
+    out = subprocess.run([sys.executable, "-c", script.format(repo=REPO, imports=IMPORTS[1], opt_in="")], env=env,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == ("paddle.base.framework ['sqrt', 'squared_l2_norm', 'sum', 'sqrt', "
+                                                   "'fill_constant', 'elementwise_max', 'elementwise_div', "
+                                                   "'elementwise_mul']")
 
 
 def test_a_loss_that_is_no_program_variable_is_refused_naming_its_type():

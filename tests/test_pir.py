@@ -373,13 +373,26 @@ def test_gpt_tied_embedding_adamw_warmup_cosine_clip_equals_one_device(stages, s
         return paddle.optimizer.AdamW(paddle.optimizer.lr.LinearWarmup(cosine, 2, 0.0, 3e-3), weight_decay=0.01,
                                       grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
 
-    nets, opts = [build_gpt(num_stages=stages, guarded=g, n_layers=4) for g in (False, True)], []
-    for net, pipeline in zip(nets, (None, dict(num_microbatches=4, schedule=schedule))):
+    nets = [build_gpt(num_stages=stages, guarded=g, n_layers=4) for g in (False, True)]
+    ref_losses, losses, ref, state, exe = train_model_twins(nets, optimizer, dict(num_microbatches=4, schedule=schedule),
+                                                            lr_steps=True)
+    plan = staticpipe.plan_of(nets[1].main)
+    assert plan.num_stages == stages and list(plan.shared) == ["tok_embedding"]
+    assert_same(ref_losses, losses, ref, state, tol=2e-5)
+    exe.close()
+
+
+def train_model_twins(nets, optimizer, pipeline, lr_steps=False, steps=4):
+    """A ``models`` network built twice (``nets``: unguarded, guarded) trained on one device and pipelined
+    from the same initial values: (reference losses, pipeline losses, reference parameters, pipeline
+    parameters, the pipeline's executor)."""
+    opts = []
+    for net, pipe in zip(nets, (None, pipeline)):
         with paddle.static.program_guard(net.main, net.startup), paddle.utils.unique_name.guard():
-            opt = optimizer() if pipeline is None else staticpipe.PipelineOptimizer(optimizer(), **pipeline)
+            opt = optimizer() if pipe is None else staticpipe.PipelineOptimizer(optimizer(), **pipe)
             opt.minimize(net.loss)
-            opts.append(opt if pipeline is None else opt.inner)
-    data = [nets[0].random_batch(8, seed=k) for k in range(4)]
+            opts.append(opt if pipe is None else opt.inner)
+    data = [nets[0].random_batch(8, seed=k) for k in range(steps)]
     scope, ref = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     with paddle.static.scope_guard(scope):
         ref.run(nets[0].startup)
@@ -387,19 +400,33 @@ def test_gpt_tied_embedding_adamw_warmup_cosine_clip_equals_one_device(stages, s
         ref_losses = []
         for batch in data:
             ref_losses.append(float(ref.run(nets[0].main, feed=batch, fetch_list=[nets[0].loss])[0]))
-            opts[0]._learning_rate.step()
+            if lr_steps:
+                opts[0]._learning_rate.step()
     exe = staticpipe.Executor(paddle.CPUPlace())
     exe.run(nets[1].startup)
     exe.set_state_dict(nets[1].main, dict(zip(params(nets[1].main), init)))
     losses = []
     for batch in data:
         losses.append(float(exe.run(nets[1].main, feed=batch, fetch_list=[nets[1].loss])[0]))
-        opts[1]._learning_rate.step()
+        if lr_steps:
+            opts[1]._learning_rate.step()
     state = exe.state_dict(nets[1].main)
-    plan = staticpipe.plan_of(nets[1].main)
-    assert plan.num_stages == stages and list(plan.shared) == ["tok_embedding"]
-    assert_same(ref_losses, losses, [np.array(scope.find_var(n).get_tensor()) for n in params(nets[0].main)],
-                [state[n] for n in params(nets[1].main)], tol=2e-5)
+    return (ref_losses, losses, [np.array(scope.find_var(n).get_tensor()) for n in params(nets[0].main)],
+            [state[n] for n in params(nets[1].main)], exe)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense-grads", "sparse-grads"])
+def test_dlrm_cpu_embeddings_skip_routes_equal_one_device(sparse):
+    """``models.build_dlrm`` on 3 stages (cpu, gpu:0, gpu:1): the embeddings' concatenation goes from the
+    CPU stage straight to the last stage, whose backward splits its gradient apart (``builtin.split``: values
+    the interpreter cannot rename, handed over by fetch and copy); sparse embedding gradients too."""
+    from models import build_dlrm
+
+    nets = [build_dlrm(num_stages=3, guarded=g, vocab_size=50, embed_dim=8, is_sparse=sparse) for g in (False, True)]
+    ref_losses, losses, ref, state, exe = train_model_twins(nets, lambda: paddle.optimizer.Adam(0.01),
+                                                            dict(num_microbatches=2))
+    assert [s.device for s in staticpipe.plan_of(nets[1].main).stages] == ["cpu", "gpu:0", "gpu:1"]
+    assert_same(ref_losses, losses, ref, state, tol=2e-5)
     exe.close()
 
 

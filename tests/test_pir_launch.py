@@ -1,8 +1,8 @@
 """PIR programs with one stage per process (``staticpipe.launch``, gloo on CPU), against the same script's
 threaded run in one process: every parameter and optimizer state, and the fetched losses, bit for bit.
 
-The scripts run with ``STATICPIPE_LEGACY_IR=0``: the whole process builds PIR programs, as Paddle 3 does
-by default. ``tests/test_distributed.py`` checks the same on legacy programs against single-device Paddle;
+The scripts run with no flags (the suite's legacy-IR opt-in taken out of their environment): the whole
+process builds PIR programs, staticpipe's default on Paddle 3. ``tests/test_distributed.py`` checks the same on legacy programs against single-device Paddle;
 ``tests/test_pir.py`` checks the threaded PIR run against single-device PIR training.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ def run(tmp_path, nprocs: int, **env: str) -> tuple[dict[str, np.ndarray], list[
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(repo=REPO))
-    env = {**os.environ, "STATICPIPE_LEGACY_IR": "0", "OUT": str(out), **env}
-    env.pop("FLAGS_enable_pir_api", None)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("FLAGS_enable_pir_api", "STATICPIPE_LEGACY_IR")},
+           "OUT": str(out), **env}
     command = [sys.executable, str(script)] if nprocs == 1 else [
         sys.executable, "-m", "staticpipe.launch", "--nprocs", str(nprocs), str(script)]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)

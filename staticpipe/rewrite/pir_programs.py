@@ -185,15 +185,20 @@ def _hand_over(program: Any, names: list[str], stage: int) -> None:
     of one device compute values of one name in their optimize sections), for the runtime to move into the
     scope of the micro-batch or optimize section (``HANDED_OVER``: name -> the device scope's name)."""
     values = getattr(program, VALUES)
-    # not the result of an in-place op (assign_value_, add_, ...): it is its input's variable, which the
-    # interpreter cannot rename; such a value is fetched and copied instead (pir_runs)
-    names = [n for n in names if not values[n].get_defining_op().name().endswith("_")]
+    # not the result of an in-place op (assign_value_, add_, ...: it is its input's variable) nor an element
+    # of a vector split apart (builtin.split: a variable inside the vector's), which the interpreter cannot
+    # rename ("Original variable ... is not found in the scope"); such a value is fetched and copied (pir_runs)
+    names = [n for n in names if not _unrenamable(values[n].get_defining_op().name())]
     with paddle.static.program_guard(program):
         paddle.pir.set_insertion_point_to_block_end(program.global_block())
         for name in names:
             values[name].persistable = True
             paddle._C_ops.set_persistable_value(values[name], f"{name}@TO_{stage}")
     setattr(program, HANDED_OVER, {name: f"{name}@TO_{stage}" for name in names})
+
+
+def _unrenamable(op_name: str) -> bool:
+    return op_name.endswith("_") or op_name == "builtin.split"
 
 
 def _scale_after(value: Any, factor: float) -> None:

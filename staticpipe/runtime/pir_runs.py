@@ -18,16 +18,29 @@ Facts of Paddle 3.3 that shape it (``../shared/notes/pir-facts.md``, re-checked 
 - whether Paddle's executor takes the PIR path is thread-local state: each run sets it (``pir_thread``);
 - Paddle's PIR interpreter schedules ops on a thread pool of its own by default. Stage workers are already
   the parallelism here (one thread per device, each with its intra-op budget), and the pool on top of them
-  made the PIR pipelines of ``bench/ir_compare.py`` 1.3-1.7x slower than with ops run on the calling
-  thread (a wide MLP on 2 stages: 36.9 ms a step against 28.1 ms on 2 cores). So the first PIR plan to run sets
-  ``FLAGS_new_executor_serial_run``, for the process: Paddle reads it on every run (an interpreter built
-  with it must not run without it), and it changes no number, only which thread runs each op.
+  made the PIR pipelines of ``bench/ir_compare.py`` 1.3-1.7x slower (a wide MLP on 2 stages: 36.9 ms a
+  step against 28.1 ms on 2 cores). So the first PIR plan to run sets, for the process,
+  ``FLAGS_new_executor_serial_run`` (Paddle reads it on every run; an interpreter built with it must not
+  run without it) and ``FLAGS_enable_pir_in_executor_trace_run``, which runs the ops on the calling thread:
+  the stage worker's, with its thread budget (``Executor(threads_per_stage=...)``), as the legacy runs do.
+  Neither changes a number, only which thread runs each op;
+- on a CPU place the interpreter's garbage collector hands every freed buffer to a thread of its own, one
+  wake-up per freed tensor: two stage workers on 2 cores then lost the cores to it, and a narrow MLP's
+  pipeline ran 1.7x slower than the legacy one (``bench/ir_compare.py``: 6.5 ms a step against 3.9 ms;
+  batching the frees, ``FLAGS_eager_delete_tensor_gb`` = 0.001 or 0.064, left 1.4x and 1.2x). Paddle reads
+  that flag when an interpreter first runs, so each section's first run, under the process-wide lock,
+  has it at -1: its interpreter keeps its intermediate buffers from run to run and reuses them (no
+  allocation, no free: 0.87x of the legacy step there). The price is memory: a section holds one
+  micro-batch's intermediates between its runs (what the legacy runs free as they go; the values a
+  section hands to later sections are moved out as before, and its fed inputs are let go after each run,
+  so only the temporaries stay). GPU places keep Paddle's collector, which frees on the calling thread.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .._paddle import core, np, paddle
 from ..ir import np_dtype, tensor_of
@@ -36,6 +49,8 @@ from ..plan import Run
 
 _FIRST_RUNS = threading.Lock()
 SERIAL_RUN = "FLAGS_new_executor_serial_run"
+TRACE_RUN = "FLAGS_enable_pir_in_executor_trace_run"
+EAGER_DELETION = "FLAGS_eager_delete_tensor_gb"  # read when an interpreter first runs: its garbage collector
 
 
 class PirRuns:
@@ -43,7 +58,7 @@ class PirRuns:
 
     def __init__(self, place: core.Place, scope: core._Scope):
         self.place, self.scope = place, scope
-        paddle.set_flags({SERIAL_RUN: True})
+        paddle.set_flags({SERIAL_RUN: True, TRACE_RUN: True})
         self._exe = paddle.static.Executor(place)
         self._prepared: dict[tuple[Run, tuple[str, ...]], _Prepared] = {}
 
@@ -51,15 +66,22 @@ class PirRuns:
         """Run ``run`` with its data ops fed from ``scope``; leave in ``scope`` the values it produces that
         ``run.keep`` or ``fetch`` name."""
         prepared = self._prepared.get((run, fetch))
-        if prepared is None:
+        first = prepared is None
+        if first:
             prepared = self._prepared[(run, fetch)] = self._prepare(run, fetch, scope)
         feed = {name: tensor_of(scope, name, prepared.where) for name in prepared.feeds}
         mode = paddle.base.framework.global_var
         outside, mode._use_pir_api_ = mode._use_pir_api_, True  # pir_thread, inlined: 2 µs of a 40 µs run
         try:
-            out = prepared.run(feed)
+            if first:  # the run that makes the interpreter's garbage collector
+                with _FIRST_RUNS, self._buffers_kept():
+                    out = prepared.run(feed)
+            else:
+                out = prepared.run(feed)
         finally:
             mode._use_pir_api_ = outside
+        for name in prepared.feeds:  # the micro-batch's values: theirs to free, not the interpreter's to hold
+            self.scope.find_var(name).get_tensor()._clear()
         for name, held in prepared.handed:  # to the micro-batch; the next run makes anew
             made = self.scope.find_var(held).get_tensor()
             scope.var(name).get_tensor()._share_data_with(made)
@@ -71,6 +93,19 @@ class PirRuns:
             else:  # an output the kernel left without memory (batch norm's reserve space on CPU): empty, as it is
                 value = section_values(run.program)[name]
                 kept.set(np.zeros((0,) * max(1, len(value.shape)), np_dtype(value.dtype)), self.place)
+
+    @contextlib.contextmanager
+    def _buffers_kept(self) -> Iterator[None]:
+        """On a CPU place, the interpreter made in here keeps its buffers from run to run (module docstring)."""
+        if not isinstance(self.place, core.CPUPlace):
+            yield
+            return
+        before = paddle.get_flags([EAGER_DELETION])
+        paddle.set_flags({EAGER_DELETION: -1.0})
+        try:
+            yield
+        finally:
+            paddle.set_flags(before)
 
     def _prepare(self, run: Run, fetch: tuple[str, ...], scope: core._Scope) -> "_Prepared":
         """What every run of ``run`` fetching ``fetch`` repeats, worked out once; Paddle's interpreter built
