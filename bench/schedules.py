@@ -1,10 +1,14 @@
-"""Every schedule on the same models, measured side by side: step time, bubble, and runtime overhead.
+"""Every schedule on the same models, measured side by side: step time, bubble, activations held, and
+runtime overhead.
 
 For each schedule the runtime traces one step's actions; the simulator then replays the schedule with
 each action costing exactly what it cost in that run. That replay is the schedule's own lower bound,
 so bound / measured (the "efficiency") says how much the runtime adds: 1.00 = nothing. The bubble is
-the Timeline's 1 - busy / (ranks x step); "busy max/mean" is the busiest rank's compute time over the
-mean: the stage imbalance, whose idle time no schedule removes.
+the Timeline's 1 - busy / (ranks x step), beside the simulator's for the same action times ("sim");
+"busy max/mean" is the busiest rank's compute time over the mean: the stage imbalance, whose idle time
+no schedule removes. "peak in flight" is, per stage, the most micro-batches the runtime held between
+a forward and its last backward action (``Executor.memory_stats()``) / the simulator's count for the
+schedule (``Simulation.peak_inflight``): the two must agree.
 
 "ZB-H1 costed" is ZB-H1 planned with the per-stage F, B and W times measured in a traced ZB-H1 step
 (``Timeline.stage_costs()`` -> ``PipelineOptimizer(schedule_costs=...)``); the bench prints those
@@ -21,8 +25,8 @@ mlp-balanced: the mlp with 3072 input features, placed by ``auto_place(policy="t
      at the micro-batch size: the first layer's F and W (1.5 GEMMs each, and no input gradient) then
      weigh as much as another layer's F, B and W, so whole layers can balance exactly: 12 GEMMs a side.
 resnet-balanced: the resnet placed by ``auto_place(policy="time")``.
-Interleaved and ZB-V run the same layers as 4 chunks (gpu:0, gpu:1, gpu:0, gpu:1 / gpu:0, gpu:1,
-gpu:1, gpu:0).
+Interleaved, ZB-V, V-Min, V-Half and DualPipeV run the same layers as 4 chunks (gpu:0, gpu:1, gpu:0,
+gpu:1 / gpu:0, gpu:1, gpu:1, gpu:0).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
+staticpipe.use_legacy_ir()  # on Paddle 3: auto_place and profile read legacy programs (README "PIR programs")
 from models import Network, build_mlp, build_resnet  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from paddle.base import core  # noqa: E402
@@ -52,6 +57,11 @@ ROWS = {  # row -> (schedule, device of each stage)
     "ZB-H1": ("ZB-H1", TWO),
     "ZB-H1 costed": ("ZB-H1", TWO),
     "ZB-V": ("ZB-V", V),
+    "V-Min": ("V-Min", V),
+    "V-Half": ("V-Half", V),
+    "ZB-2P": ("ZB-2P", TWO),
+    "Eager1F1B": ("Eager1F1B", TWO),
+    "DualPipeV": ("DualPipeV", V),
 }
 COSTED = "ZB-H1 costed"
 
@@ -161,14 +171,19 @@ def measure(model: str, steps: int) -> dict[str, dict]:
             wall = time.perf_counter() - start
             timeline = exe.timeline(net.main)
             busy = list(timeline.busy().values())
-            runs[row].append((wall, timeline.bubble(), timeline.predicted().total / timeline.total,
+            predicted = timeline.predicted()
+            runs[row].append((wall, timeline.bubble(), predicted.bubble, predicted.total / timeline.total,
                               max(busy) / statistics.mean(busy)))
     results = {}
     for row in ROWS:
-        prepared[row][0].close()
-        wall, bubble, efficiency, imbalance = (statistics.median(x) for x in zip(*runs[row]))
-        results[row] = {"step": wall, "bubble": bubble, "efficiency": efficiency, "imbalance": imbalance,
-                        "samples/s": config.batch_size / wall}
+        exe, net, _ = prepared[row]
+        measured = {s: m["peak_inflight_microbatches"] for s, m in sorted(exe.memory_stats().items())}
+        simulated = simulate(staticpipe.plan_of(net.main).actions).peak_inflight
+        exe.close()
+        wall, bubble, sim_bubble, efficiency, imbalance = (statistics.median(x) for x in zip(*runs[row]))
+        results[row] = {"step": wall, "bubble": bubble, "sim bubble": sim_bubble, "efficiency": efficiency,
+                        "imbalance": imbalance, "samples/s": config.batch_size / wall,
+                        "peak": " ".join(f"{measured.get(s, 0)}/{n}" for s, n in simulated.items())}
     return results
 
 
@@ -181,12 +196,13 @@ def main() -> None:
         print(f"\n{model}: median of {args.steps} interleaved rounds")
         results = measure(model, args.steps)
         base = results["1F1B"]
-        print(f"{'schedule':<13} {'s/step':>8} {'samples/s':>10} {'vs 1F1B':>8} {'bubble':>7} "
-              f"{'bubble vs 1F1B':>15} {'bound/measured':>15} {'busy max/mean':>14}")
+        print(f"{'schedule':<13} {'s/step':>8} {'samples/s':>10} {'vs 1F1B':>8} {'bubble':>7} {'sim':>6} "
+              f"{'bubble vs 1F1B':>15} {'bound/measured':>15} {'busy max/mean':>14}  peak in flight per stage "
+              "(measured/simulated)")
         for name, r in results.items():
             print(f"{name:<13} {r['step']:8.3f} {r['samples/s']:10.1f} {base['step'] / r['step']:7.2f}x "
-                  f"{r['bubble']:7.3f} {r['bubble'] / base['bubble']:14.2f}x {r['efficiency']:15.3f} "
-                  f"{r['imbalance']:14.3f}")
+                  f"{r['bubble']:7.3f} {r['sim bubble']:6.3f} {r['bubble'] / base['bubble']:14.2f}x "
+                  f"{r['efficiency']:15.3f} {r['imbalance']:14.3f}  {r['peak']}")
         print("targets: bound/measured >= 0.95 for every schedule; ZB-H1 bubble <= 0.4 x 1F1B's")
 
 

@@ -227,9 +227,17 @@ class Executor:
                                 "step_value_bytes": m.step_value_bytes or 0}
         return dict(sorted(stats.items()))
 
+    def device_memory_stats(self) -> dict[str, dict[str, int]]:
+        """Per device, the peak activation bytes and micro-batches its stages held at once (a device with
+        several stages: not the sum of their peaks), as ``memory_stats``; the plan's memory model predicts it
+        (``print(plan)``, ``plan.memory.devices(micro_batch_size)``)."""
+        return {device: {"peak_activation_bytes": w.device_memory.peak_bytes,
+                         "peak_inflight_microbatches": w.device_memory.peak_microbatches}
+                for device, w in sorted(self._devices.workers.items())}
+
     def reset_memory_stats(self) -> None:
         for worker in self._devices.workers.values():
-            worker.memory.clear()
+            worker.reset_memory()
 
     # --- state --------------------------------------------------------------------------------------
     def state_dict(self, program: framework.Program) -> dict[str, np.ndarray]:

@@ -27,7 +27,10 @@ class PipelineOptimizer:
     ``num_microbatches``: micro-batches per global batch (gradients are accumulated over them).
     ``schedule``: "1F1B", "F-then-B" (aliases "FThenB", "GPipe"), "interleaved" (several chunks per
     device: guards cycling through the devices), "ZB-H1", "ZB-V" (zero bubble, backward split into B
-    and W), or a custom schedule: ``{rank: [Action, ...]}`` or its text (``rank 0: 0F0 0F1 ...``).
+    and W), "ZB-2P" (zero bubble at twice 1F1B's activations), "V-Min", "V-Half" (a V like ZB-V at a
+    third / half of 1F1B's activations), "Eager1F1B" (Paddle's: 1F1B with twice the warm-up),
+    "DualPipeV" (a V pairing a forward with a backward of another micro-batch), or a custom schedule:
+    ``{rank: [Action, ...]}`` or its text (``rank 0: 0F0 0F1 ...``).
     ``schedule_costs``: for "ZB-H1" and "ZB-V", the F, B and W durations to plan the order with, one
     per kind or a list of one per stage (``{"F": [0.031, 0.035], ...}``: ``Timeline.stage_costs()`` of a
     traced step), or a function of the action; None plans with unit costs.

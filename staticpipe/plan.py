@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .memory_model import MemoryModel
+
 if TYPE_CHECKING:
     from ._paddle import paddle
 
@@ -215,6 +217,7 @@ class Plan:
     micro_batch_size: int | None = None  # compiled at rewrite time; None: fixed by the first batch
     notes: tuple[str, ...] = ()
     dp_degree: int = 1  # data-parallel replicas of the whole pipeline (one process per stage rank each)
+    memory: MemoryModel | None = None  # predicted bytes per stage and device (training plans)
 
     def __post_init__(self) -> None:
         """Every container read-only: the plan is shared by every worker, evaluation and saved copy."""
@@ -291,6 +294,8 @@ class Plan:
             lines.append("  exchanges of the optimize sections (once per step):")
             lines += [f"    {ex}" for ex in self.exchanges]
         lines += [f"  note: {note}" for note in self.notes]
+        if self.memory is not None:
+            lines += self.memory.describe(mbs)
         lines.append(f"  actions ({self.schedule}):")
         for rank, acts in sorted(self.actions.items()):
             lines.append(f"    rank {rank} ({self.ranks[rank]}): {' '.join(str(a) for a in acts)}")

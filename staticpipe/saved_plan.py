@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ._paddle import framework, paddle
 from .atomic import atomic_directory, recover_directory
 from .ir import refuse_pir
+from .memory_model import MemoryModel, StageMemory
 from .pickled_arrays import ALLOWED
 from .placement import launched_world
 from .plan import (OPTIMIZE, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of,
@@ -142,6 +143,8 @@ def _encode_plan(plan: Plan) -> dict[str, Any]:
                 for r in plan.routes],
         actions=format_schedule(plan.actions).splitlines(),
         producers={name: _fields(ref) for name, ref in plan.producers.items()},
+        memory=None if plan.memory is None else {**_fields(plan.memory, skip=("stages",)),
+                                                 "stages": [_fields(st) for st in plan.memory.stages]},
     )
     return data
 
@@ -249,10 +252,18 @@ def _decode_plan(data: dict[str, Any], plan_file: str,
             data_specs={name: (tuple(shape), dtype) for name, (shape, dtype) in data["data_specs"].items()},
             shared={name: tuple(stages) for name, stages in data["shared"].items()},
             replicated={int(op): why for op, why in data["replicated"].items()},
+            memory=_decode_memory(data.get("memory")),  # absent from plans saved before the memory model
         )
         return Plan(**{f.name: data[f.name] for f in fields(Plan) if f.name not in decoded}, **decoded)
     except KeyError as exc:
         raise ValueError(f"{plan_file!r} lacks the plan field {exc}") from None
+
+
+def _decode_memory(data: dict[str, Any] | None) -> MemoryModel | None:
+    if data is None:
+        return None
+    return MemoryModel(tuple(StageMemory(**st) for st in data["stages"]), tuple(data["ranks"]), tuple(data["stage_ranks"]),
+                       {int(rank): tuple(tuple(v) for v in vectors) for rank, vectors in data["inflight"].items()})
 
 
 def _decode_stage(data: dict[str, Any], read: Callable[[int, str], framework.Program | None], plan_file: str) -> Stage:

@@ -3,8 +3,9 @@
 Used by ``tests/test_fault_matrix.py`` in the test process and, imported from ``tests/``, inside the
 scripts it launches as several processes. The seams are the runtime's own per-action calls:
 
-- ``DeviceWorker._compute`` (F, B, W), ``DeviceWorker._send`` (SEND) and ``DeviceWorker._recv`` (RECV):
-  the worker wraps whatever they raise into the stage's ``StageError`` (``runtime/worker.py``);
+- ``DeviceWorker._compute`` (F, B, W), ``DeviceWorker._compute_pair`` (a paired FB, DualPipeV's),
+  ``DeviceWorker._send`` (SEND) and ``DeviceWorker._recv`` (RECV): the worker wraps whatever they raise
+  into the stage's ``StageError`` (``runtime/worker.py``);
 - ``optimize_phase._walk`` (OPT): one stage's walk through its optimize section, resumed by
   ``run_optimizers``, which wraps what it raises into ``StageError(stage, ..., OPT(stage))``. (Patching
   ``run_optimizers`` itself would blame the first stage of a rank's group of OPT actions.)
@@ -33,13 +34,18 @@ from staticpipe.schedule import Action, Kind
 
 QUIESCE_TIMEOUT_S = 5.0
 MICROBATCHES = 4
-# schedule -> the stage devices of its MLP: two devices; interleaved and ZB-V hold two stages on each
+# schedule -> the stage devices of its MLP: two devices; interleaved and the V's hold two stages on each
 SCHEDULES = {
     "F-then-B": ["gpu:0", "gpu:1"],
     "1F1B": ["gpu:0", "gpu:1"],
     "interleaved": ["gpu:0", "gpu:1", "gpu:0", "gpu:1"],
     "ZB-H1": ["gpu:0", "gpu:1"],
     "ZB-V": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "V-Min": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "V-Half": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "ZB-2P": ["gpu:0", "gpu:1"],
+    "Eager1F1B": ["gpu:0", "gpu:1"],
+    "DualPipeV": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
 }
 
 
@@ -92,7 +98,7 @@ def inject(target: str, quiesce: bool = False) -> Iterator[_Tracker]:
     ``running[device]`` is 0 once that device's ``run_step`` has returned."""
     tracker = _Tracker()
     W = worker.DeviceWorker
-    saved = {name: getattr(W, name) for name in ("_compute", "_send", "_recv", "run_step")}
+    saved = {name: getattr(W, name) for name in ("_compute", "_compute_pair", "_send", "_recv", "run_step")}
     saved_walk = optimize_phase._walk
     saved_recv = channel_mod.InProcessChannel.recv
     saved_allreduce = channel_mod.InProcessChannel.allreduce
@@ -145,7 +151,7 @@ def inject(target: str, quiesce: bool = False) -> Iterator[_Tracker]:
                         tracker.waiting.pop(device, None)
         return call
 
-    for name in ("_compute", "_send", "_recv"):
+    for name in ("_compute", "_compute_pair", "_send", "_recv"):
         setattr(W, name, patched(name))
     W.run_step = run_step
     optimize_phase._walk = walk

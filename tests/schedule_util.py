@@ -4,10 +4,14 @@ from __future__ import annotations
 from staticpipe.plan import BACKWARD, FORWARD, CutVar, Route, SectionRef
 from staticpipe.schedule import Kind
 
-# every (name, ranks, micro-batches, chunks) the schedule sweeps run
-CASES = ([(n, p, m, 1) for n in ("F-then-B", "1F1B", "ZB-H1") for p in range(1, 5) for m in range(1, 2 * p + 3)]
+# every (name, ranks, micro-batches, chunks) the schedule sweeps run; Eager1F1B and DualPipeV from the
+# fewest micro-batches they take (2p - 1, 2p)
+ONE_CHUNK = ("F-then-B", "1F1B", "ZB-H1", "ZB-2P")
+CASES = ([(n, p, m, 1) for n in ONE_CHUNK for p in range(1, 5) for m in range(1, 2 * p + 3)]
          + [("interleaved", p, m, v) for p in range(1, 5) for v in (1, 2, 3) for m in (p, 2 * p, 3 * p)]
-         + [("ZB-V", p, m, 2) for p in range(1, 5) for m in range(1, 2 * p + 3)])
+         + [(n, p, m, 2) for n in ("ZB-V", "V-Min", "V-Half") for p in range(1, 5) for m in range(1, 2 * p + 3)]
+         + [("Eager1F1B", p, m, 1) for p in range(1, 5) for m in range(2 * p - 1, 3 * p + 1)]
+         + [("DualPipeV", p, m, 2) for p in range(1, 5) for m in range(2 * p, 3 * p + 1)])
 
 # stage 1 of 3 has a backward twice as long as the others', and W's are cheap
 HEAVY_MIDDLE = {"F": 1, "B": [1, 2, 1], "W": 0.5}
@@ -48,9 +52,10 @@ def all_pairs_routes(num_stages, plan_order=True):
 
 
 def rank_peak(actions):
-    """Most (stage, micro-batch) pairs one rank's actions hold at once between F and W (activations kept)."""
+    """Most (stage, micro-batch) pairs one rank's actions hold at once between F and W (activations kept):
+    its peak activations in chunks (stages) of one micro-batch. An FB counts as its F, then its B."""
     live, peak = set(), 0
-    for a in actions:
+    for a in (h for b in actions for h in b.halves()):
         if a.kind is Kind.F:
             live.add((a.stage, a.microbatch))
         elif a.kind is Kind.W:

@@ -37,6 +37,11 @@ LAYOUTS = {
     "interleaved": ["gpu:0", "gpu:1", "gpu:0", "gpu:1"],
     "ZB-H1": ["gpu:0", "gpu:1", "gpu:2"],
     "ZB-V": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "V-Min": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "V-Half": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "ZB-2P": ["gpu:0", "gpu:1", "gpu:2"],
+    "Eager1F1B": ["gpu:0", "gpu:1"],
+    "DualPipeV": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
 }
 INIT_SCALE = 2.0 ** 15
 

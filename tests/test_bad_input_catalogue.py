@@ -38,7 +38,8 @@ pytestmark = pytest.mark.timeout(120)
 
 DEVICE_FORMS = '"cpu", "gpu", "gpu:k" (k = 0, 1, ...)'
 KNOWN_SCHEDULES = ("F-then-B (aliases FThenB, GPipe), 1F1B, interleaved (aliases Interleaved1F1B, "
-                   "interleaved-1F1B), ZB-H1, ZB-V")
+                   "interleaved-1F1B), ZB-H1, ZB-V, V-Min, V-Half, ZB-2P, Eager1F1B, DualPipeV")
+SPLIT_SCHEDULES = "ZB-H1, ZB-V, V-Min, V-Half, ZB-2P, DualPipeV"
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def first_weight() -> str:
 
 
 CYCLIC = ["gpu:0", "gpu:1", "gpu:0", "gpu:1"]  # 4 stages whose guards go back to gpu:0
+V = ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]  # 4 stages down and back up the 2 devices
 
 
 def cyclic_cut() -> str:
@@ -333,9 +335,9 @@ CASES = [
     Case("custom-text-rank-twice", lambda tmp: opt(1, "rank 0: 0F0 0B0 0OPT\nrank 0: 0OPT"), ValueError,
          exactly("rank 0 has two lines")),
     Case("custom-text-bad-action", lambda tmp: opt(1, "rank 0: 0F0 0X0 0OPT"), ValueError,
-         exactly("not an action: '0X0' (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0SEND_F3>1, 1RECV_F3<0)")),
+         exactly("not an action: '0X0' (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0F3&7B1, 0SEND_F3>1, 1RECV_F3<0)")),
     Case("custom-dict-bad-action-text", lambda tmp: opt(1, {0: ["0F0", "0B0", "OPT"]}), ValueError,
-         exactly("not an action: 'OPT' (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0SEND_F3>1, 1RECV_F3<0)")),
+         exactly("not an action: 'OPT' (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0F3&7B1, 0SEND_F3>1, 1RECV_F3<0)")),
     Case("custom-dict-negative-rank", lambda tmp: opt(1, {-1: ["0F0"]}), ValueError,
          exactly("a custom schedule's keys are ranks (integers >= 0), got -1")),
     Case("custom-dict-bool-rank", lambda tmp: opt(1, {True: ["0F0"]}), ValueError,
@@ -368,11 +370,21 @@ CASES = [
     Case("recompute-unknown-stage", lambda tmp: fresh_minimize(recompute=[0, 5]), ValueError,
          exactly("recompute names stages [5], but the program has stages 0..1")),
     Case("recompute-with-split-backward", lambda tmp: fresh_minimize("ZB-H1", recompute=True), ValueError,
-         exactly("recompute is not supported with schedules that split the backward (ZB-H1, ZB-V) yet")),
+         exactly(f"recompute is not supported with schedules that split the backward ({SPLIT_SCHEDULES}) yet")),
     Case("ZB-V-on-two-stages", lambda tmp: fresh_minimize("ZB-V"), ValueError,
          exactly("schedule ZB-V cannot run this program: it needs 4 stages on the 2 devices ['gpu:0', 'gpu:1'] in "
                  "the order ['gpu:0', 'gpu:1', 'gpu:1', 'gpu:0'], but the program's guards give 2 stages on "
                  "['gpu:0', 'gpu:1']; separate consecutive stages on one device with staticpipe.split_point()")),
+    Case("V-Min-on-two-stages", lambda tmp: fresh_minimize("V-Min"), ValueError,
+         exactly("schedule V-Min cannot run this program: it needs 4 stages on the 2 devices ['gpu:0', 'gpu:1'] in "
+                 "the order ['gpu:0', 'gpu:1', 'gpu:1', 'gpu:0'], but the program's guards give 2 stages on "
+                 "['gpu:0', 'gpu:1']; separate consecutive stages on one device with staticpipe.split_point()")),
+    Case("Eager1F1B-micro-batches", lambda tmp: fresh_minimize("Eager1F1B", m=2), ValueError,
+         exactly("schedule Eager1F1B needs num_microbatches >= 3 on 2 devices (2 x devices - 1: stage 0's warm-up "
+                 "forwards, as Paddle's Eager1F1B pass requires); got 2")),
+    Case("DualPipeV-micro-batches", lambda tmp: fresh_minimize("DualPipeV", m=3, stages=4, devices=V), ValueError,
+         exactly("schedule DualPipeV needs num_microbatches >= 4 on 2 devices (2 x devices: every rank fills both "
+                 "of its chunks before its first paired F&B); got 3")),
     Case("interleaved-micro-batches", lambda tmp: fresh_minimize(
         "interleaved", m=3, stages=4, devices=["gpu:0", "gpu:1", "gpu:0", "gpu:1"]), ValueError,
          exactly("interleaved 1F1B needs num_microbatches to be a multiple of the number of devices (2); got 3: "
@@ -687,6 +699,22 @@ CASES = [
                                                           "--microbatches", "3"), CliExit,
          exactly("exit 2: python -m staticpipe.schedule: error: interleaved 1F1B needs num_microbatches to be a "
                  "multiple of the number of devices (2); got 3: use 2 or 4")),
+    Case("cli-DualPipeV-chunks", lambda tmp: cli("--schedule", "DualPipeV", "--stages", "2", "--microbatches",
+                                                 "4", "--chunks", "1"), CliExit,
+         exactly("exit 2: python -m staticpipe.schedule: error: schedule DualPipeV needs 2 chunks per device (stages = "
+                 "2 x devices); the program has 2 stages on 2 devices")),
+    Case("cli-V-Half-chunks", lambda tmp: cli("--schedule", "V-Half", "--stages", "3", "--microbatches", "4",
+                                              "--chunks", "3"), CliExit,
+         exactly("exit 2: python -m staticpipe.schedule: error: schedule V-Half needs 2 chunks per device (stages = "
+                 "2 x devices); the program has 9 stages on 3 devices")),
+    Case("cli-Eager1F1B-micro-batches", lambda tmp: cli("--schedule", "Eager1F1B", "--stages", "4",
+                                                        "--microbatches", "6"), CliExit,
+         exactly("exit 2: python -m staticpipe.schedule: error: schedule Eager1F1B needs num_microbatches >= 7 on 4 "
+                 "devices (2 x devices - 1: stage 0's warm-up forwards, as Paddle's Eager1F1B pass requires); got 6")),
+    Case("cli-DualPipeV-micro-batches", lambda tmp: cli("--schedule", "DualPipeV", "--stages", "3",
+                                                        "--microbatches", "5"), CliExit,
+         exactly("exit 2: python -m staticpipe.schedule: error: schedule DualPipeV needs num_microbatches >= 6 on 3 "
+                 "devices (2 x devices: every rank fills both of its chunks before its first paired F&B); got 5")),
     Case("cli-ZB-V-chunks", lambda tmp: cli("--schedule", "ZB-V", "--stages", "2", "--microbatches", "4",
                                             "--chunks", "3"), CliExit,
          exactly("exit 2: python -m staticpipe.schedule: error: schedule ZB-V needs 2 chunks per device (stages = 2 x "

@@ -11,11 +11,12 @@ fault at <action>")`` (``tests/fault_util.py`` patches the runtime's per-action 
   gives exactly the loss, parameters and optimizer state of a twin executor that never failed and took
   the same clean step.
 
-In one process (the full matrix): schedules F-then-B, 1F1B, interleaved (4 stages on 2 devices), ZB-H1
-and ZB-V (4 stages on 2 devices), 4 micro-batches; every stage, every action kind the schedule has (W only
-in the split-backward schedules ZB-H1 and ZB-V; SEND/RECV of each channel a stage uses), at the first
-and the last micro-batch, and every OPT. The failing action first waits until the other ranks have gone as
-far as they can without it (``quiesce``), so each case is deterministic: whether another stage has
+In one process (the full matrix): schedules F-then-B, 1F1B, interleaved (4 stages on 2 devices), ZB-H1,
+ZB-V, V-Min, V-Half and DualPipeV (4 stages on 2 devices), ZB-2P and Eager1F1B, 4 micro-batches; every
+stage, every action kind the schedule has (W only in the split-backward schedules; DualPipeV's paired
+FB; SEND/RECV of each channel a stage uses), at the first and the last micro-batch, and every OPT. The
+failing action first waits until the other ranks have gone as far as they can without it
+(``quiesce``), so each case is deterministic: whether another stage has
 already applied its update is decided by the schedule (``fault_util.updated_before``), not by a race.
 
 A failure before the updates (F, B, W, SEND, RECV) leaves nothing behind: no rank starts its updates
@@ -23,12 +24,14 @@ before every rank has finished its forwards and backwards (``runtime/optimize_ph
 an update (OPT) comes after that barrier: its message says that other stages may have applied theirs, and
 exactly the stages the schedule lets update (``fault_util.updated_before``) did.
 
-In two processes (``python -m staticpipe.launch --nprocs 2``, gloo): a representative subset of 8 cases
-covering every action kind, every schedule and both ranks (``LAUNCHED``). Why not the full matrix: one
-failure ends a job (the watchdog stops the other rank), and each job costs 7-11 s on the 2-core
-machine (the launcher and both ranks import Paddle, then the first step makes the gloo groups), so the
-154 cases would take about 25 minutes. The launcher must exit non-zero naming the failing rank, the
-output must name the stage and action, within a bounded time, and no process may be left.
+In two processes (``python -m staticpipe.launch --nprocs 2``, gloo): a representative subset of 9 cases
+covering every action kind (DualPipeV's paired FB too) and both ranks, on F-then-B, 1F1B, interleaved,
+ZB-H1, ZB-V and DualPipeV (V-Min, V-Half, ZB-2P and Eager1F1B hold no kind of action those lack)
+(``LAUNCHED``). Why not the full matrix: one failure ends a job (the watchdog stops the other rank), and
+each job costs 7-11 s on the 2-core machine (the launcher and both ranks import Paddle, then the first
+step makes the gloo groups), so the 348 cases would take about an hour. The launcher must exit non-zero
+naming the failing rank, the output must name the stage and action, within a bounded time, and no
+process may be left.
 """
 from __future__ import annotations
 
@@ -168,6 +171,7 @@ LAUNCHED = [
     ("ZB-H1", "0SEND_F2>1"),  # rank 0
     ("ZB-V", "2OPT"),  # rank 1, the second stage of its group of OPT actions
     ("ZB-V", "0F1"),  # rank 0, the calling thread's rank in one process
+    ("DualPipeV", "2F2&1B0"),  # rank 1, a paired F&B
 ]
 
 

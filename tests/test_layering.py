@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "staticpipe"
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
     {"_paddle", "legacy_ir"},
-    {"ir", "pir_ir", "pir_view", "placement", "plan"},
+    {"ir", "pir_ir", "pir_view", "placement", "plan", "memory_model"},
     {"schedule"},
     {"io", "trace"},
     {"rewrite"},

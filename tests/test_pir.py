@@ -539,3 +539,21 @@ def test_evaluate_and_infer_a_forward_program_on_the_trained_stages():
                                          r"no clone\(for_test=True\)"):
         exe.infer_from_dataset(main)
     exe.close()
+
+
+@pytest.mark.parametrize("schedule, devices", [
+    ("V-Min", ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]), ("V-Half", ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]),
+    ("ZB-2P", ["gpu:0", "gpu:1", "gpu:2"]), ("Eager1F1B", ["gpu:0", "gpu:1"]),
+    ("DualPipeV", ["gpu:0", "gpu:1", "gpu:1", "gpu:0"])])
+def test_the_memory_controlled_schedules_equal_one_device(schedule, devices):
+    """V-Min, V-Half, ZB-2P, Eager1F1B and DualPipeV (its paired F&B actions run as two halves) on
+    ``models.build_mlp`` (split points separate a V's two stages on one device)."""
+    from models import build_mlp
+
+    nets = [build_mlp(num_stages=len(devices), guarded=g, in_dim=FEATURES, hidden=16, depth=4, stage_devices=devices)
+            for g in (False, True)]
+    ref_losses, losses, ref, state, exe = train_model_twins(
+        nets, lambda: paddle.optimizer.Adam(0.01), dict(num_microbatches=4, schedule=schedule), steps=3)
+    assert staticpipe.plan_of(nets[1].main).schedule == schedule
+    assert_same(ref_losses, losses, ref, state, tol=2e-5)
+    exe.close()

@@ -22,6 +22,7 @@ from pipeline_util import minimize
 from staticpipe._paddle import np, paddle
 from staticpipe.ir import ALLREDUCE_SUM
 from staticpipe.plan import OPTIMIZE, WEIGHT, plan_of
+from staticpipe.schedule import Kind
 
 pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +33,8 @@ CASES = {
     "mlp-interleaved-4-stages-on-2-devices": dict(model="mlp", stages=4, schedule="interleaved",
                                                   devices=["gpu:0", "gpu:1", "gpu:0", "gpu:1"]),
     "gpt-tied-embedding-global-norm-clip": dict(model="gpt", stages=2, schedule="1F1B", clip=True),
+    "mlp-DualPipeV-paired-actions": dict(model="mlp", stages=4, schedule="DualPipeV",
+                                         devices=["gpu:0", "gpu:1", "gpu:1", "gpu:0"]),
 }
 
 
@@ -106,6 +109,8 @@ def test_a_loaded_plan_trains_exactly_like_the_original(tmp_path, case):
     plan = plan_of(main)
     if CASES[case]["schedule"] == "ZB-H1":  # the case covers what it is named for
         assert all(WEIGHT in st.sections for st in plan.stages)
+    if CASES[case]["schedule"] == "DualPipeV":
+        assert all(any(a.kind is Kind.FB for a in acts) for acts in plan.actions.values())
     if CASES[case].get("clip"):
         optimize_ops = [[op.type for op in st.sections[OPTIMIZE].program.global_block().ops] for st in plan.stages]
         assert plan.shared and all(ALLREDUCE_SUM[0] in ops for ops in optimize_ops)

@@ -350,7 +350,8 @@ def test_fixed_batch_dimension_needs_one_microbatch():
 
 def test_unknown_schedule_is_rejected():
     message = ("unknown schedule 'Interleaved'; known schedules: F-then-B (aliases FThenB, GPipe), 1F1B, "
-               "interleaved (aliases Interleaved1F1B, interleaved-1F1B), ZB-H1, ZB-V")
+               "interleaved (aliases Interleaved1F1B, interleaved-1F1B), ZB-H1, ZB-V, V-Min, V-Half, ZB-2P, Eager1F1B, "
+               "DualPipeV")
     with pytest.raises(ValueError, match=re.escape(message)):
         staticpipe.PipelineOptimizer(momentum(), num_microbatches=2, schedule="Interleaved")
     net = build(fixed_batch)
@@ -459,6 +460,9 @@ Plan: 2 stages, 4 micro-batches, schedule F-then-B, loss {loss}
   cut variables:
     {forward:<44} stage 0 forward -> stage 1 forward
     {backward:<44} stage 1 backward -> stage 0 backward
+  predicted memory (parameters + optimizer state + gradients, activations kept F -> B x in flight):
+    stage 0: 579.0 KiB + 579.0 KiB + 1.1 MiB, activations 6400 B/sample (+0 B) x 4
+    stage 1: 267.0 KiB + 267.0 KiB + 534.1 KiB, activations 3164 B/sample (+0 B) x 4
   actions (F-then-B):
     rank 0 (gpu:0): 0F0 0SEND_F0>1 0F1 0SEND_F1>1 0F2 0SEND_F2>1 0F3 0SEND_F3>1 0RECV_B0<1 0B0 0RECV_B1<1 0B1 \
 0RECV_B2<1 0B2 0RECV_B3<1 0B3 0OPT
@@ -467,6 +471,12 @@ Plan: 2 stages, 4 micro-batches, schedule F-then-B, loss {loss}
 
 
 def test_printed_plan_exact():
+    """The memory lines by hand (float32, Momentum): stage 0 holds fc 64->256->256->256, (16384 + 65536 x 2 +
+    768) x 4 B = 579.0 KiB of parameters, as much velocity (+ the 4 B learning rate), twice that in gradient
+    buffers; its forward keeps the features and each layer's matmul and ReLU outputs, (64 + 6 x 256) x 4 B =
+    6400 B a sample. Stage 1 (256->256->10): 267.0 KiB; it keeps the received ReLU output, the matmul and
+    ReLU outputs of its first layer, the last matmul's output (778 floats), the label (int64), the softmax
+    (10) and the per-sample loss: 3164 B. F-then-B holds all 4 micro-batches."""
     net = build(mlp(MLP2), pipeline=dict(num_microbatches=4, schedule="FThenB"))
     layers = dense_layers(net.main)  # (weight, bias) of the 5 fc layers
     cut = op_vars(net.main, "relu", "Out")[2]  # the third layer's ReLU output, the last on stage 0
@@ -489,7 +499,17 @@ def test_printed_plan_with_micro_batch_size():
         f"    {relu[2] + ' [8, 256] float32':<44} stage 1 forward -> stage 2 forward",
         f"    {relu[2] + '@GRAD [8, 256] float32':<44} stage 2 backward -> stage 1 backward",
         f"    {relu[1] + '@GRAD [8, 256] float32':<44} stage 1 backward -> stage 0 backward",
-        "  actions (1F1B):",
+        "  predicted memory (parameters + optimizer state + gradients, activations kept F -> B x in flight):",
+    ]
+    # at b = 8 (see test_printed_plan_exact): stage 0 keeps (64 + 4 x 256) x 4 B x 8 = 34.0 KiB a micro-batch,
+    # stage 1 (256 + 2 x 256) x 4 x 8 = 24.0 KiB, stage 2 3164 x 8 B; 1F1B holds 2, 2 and 1 of them
+    assert lines[start + 6:start + 12] == [
+        "    stage 0: 322.0 KiB + 322.0 KiB + 644.0 KiB, activations 34.0 KiB/micro-batch x 2 = 68.0 KiB",
+        "    stage 1: 257.0 KiB + 257.0 KiB + 514.0 KiB, activations 24.0 KiB/micro-batch x 2 = 48.0 KiB",
+        "    stage 2: 267.0 KiB + 267.0 KiB + 534.1 KiB, activations 24.7 KiB/micro-batch x 1 = 24.7 KiB",
+        "    device gpu:0: 1.3 MiB at peak (1.3 MiB + 68.0 KiB activations)",
+        "    device gpu:1: 1.1 MiB at peak (1.0 MiB + 48.0 KiB activations)",
+        "    device gpu:2: 1.1 MiB at peak (1.0 MiB + 24.7 KiB activations)",
     ]
 
 

@@ -12,7 +12,7 @@ from staticpipe.schedule import (Action, Kind, canonical_name, check_microbatche
 pytestmark = pytest.mark.timeout(120)
 
 KNOWN = ("F-then-B (aliases FThenB, GPipe), 1F1B, interleaved (aliases Interleaved1F1B, interleaved-1F1B), "
-         "ZB-H1, ZB-V")
+         "ZB-H1, ZB-V, V-Min, V-Half, ZB-2P, Eager1F1B, DualPipeV")
 
 
 # ----------------------------------------------------------------------------- exact compute lists

@@ -93,7 +93,8 @@ def test_cli_plans_with_costs(capsys):
     assert capsys.readouterr().out.splitlines() == [
         "rank 0: 0F0 0F1 3F0 3B0 3F1 3B1 0B0 3W0 0W0 0B1 3W1 0W1 0OPT 3OPT",
         "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 2W1 1W1 1OPT 2OPT",
-        "simulated total: 11", "bubble: 0.0909", "peak in flight: stage 0: 2, stage 1: 2, stage 2: 2, stage 3: 2",
+        "simulated total: 11", "bubble: 0.0909", "span bubble: 0.0909",
+        "peak in flight: stage 0: 2, stage 1: 2, stage 2: 2, stage 3: 2",
         "unit-cost plan under these costs: simulated total 11.5, bubble 0.1304"]
     main(["--schedule", "1F1B", "--stages", "2", "--microbatches", "2", "--costs", "F=1,B=2"])
     assert "unit-cost plan" not in capsys.readouterr().out

@@ -24,7 +24,13 @@ LAYOUTS = {
     "interleaved": ["gpu:0", "gpu:1", "gpu:0", "gpu:1"],
     "ZB-H1": ["gpu:0", "gpu:1", "gpu:2"],
     "ZB-V": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "V-Min": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "V-Half": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
+    "ZB-2P": ["gpu:0", "gpu:1", "gpu:2"],
+    "Eager1F1B": ["gpu:0", "gpu:1", "gpu:2"],
+    "DualPipeV": ["gpu:0", "gpu:1", "gpu:1", "gpu:0"],
 }
+MICROBATCHES = {"Eager1F1B": 8}  # it needs 2 x devices - 1 = 5 or more; the others run 4
 
 
 def momentum():
@@ -35,10 +41,11 @@ def momentum():
 def test_every_schedule_equals_single_device(schedule):
     devices = LAYOUTS[schedule]
     builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices)
-    assert_same_training(train_twins(builder, momentum, num_microbatches=4, schedule=schedule))
+    assert_same_training(train_twins(builder, momentum, num_microbatches=MICROBATCHES.get(schedule, 4),
+                                     schedule=schedule))
 
 
-@pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V", "interleaved"])
+@pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V", "interleaved", "DualPipeV"])
 def test_split_and_chunked_schedules_with_batch_norm(schedule):
     """Convolutions, batch norm (statistics per micro-batch) and their split B/W kernels: equal to
     Paddle's gradient merge on one device (one run per micro-batch, so batch-norm statistics per
@@ -62,7 +69,7 @@ def test_split_and_chunked_schedules_with_batch_norm(schedule):
         np.testing.assert_array_equal(trained[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "ZB-V"])
+@pytest.mark.parametrize("schedule", ["interleaved", "ZB-V", "V-Half", "DualPipeV"])
 def test_chunked_schedules_with_global_norm_clipping(schedule):
     """A rank holding several stages runs their optimize sections together: the global-norm sum adds
     the local stages' parts before going over the ranks (run one after the other, the first stage's
@@ -128,6 +135,11 @@ def test_schedule_layout_errors_name_the_fix():
             "interleaved 1F1B needs num_microbatches to be a multiple of the number of devices (2); got 5: "
             "use 4 or 6")):
         minimize(net, momentum(), dict(num_microbatches=5, schedule="interleaved"))
+    net = build_mlp(num_stages=4, stage_devices=LAYOUTS["DualPipeV"])
+    with pytest.raises(ValueError, match=re.escape(
+            "schedule DualPipeV needs num_microbatches >= 4 on 2 devices (2 x devices: every rank fills both of its "
+            "chunks before its first paired F&B); got 3")):
+        minimize(net, momentum(), dict(num_microbatches=3, schedule="DualPipeV"))
 
 
 def chrome_events(path):
@@ -211,6 +223,32 @@ def test_traced_step_exports_a_timeline(tmp_path, capsys):
     assert not untraced.trace
     assert re.search(r"^step 2 timeline: step [\d.]+ s, bubble [\d.]+, schedule bound [\d.]+ s; busy rank 0: ",
                      capsys.readouterr().err, re.M)
+
+
+def test_traced_dualpipe_v_step_times_each_pair_as_one_action(tmp_path):
+    """A paired FB is one traced action: one Chrome event, busy time, the bound replays it at its measured
+    time, and the chart draws it in its own colour."""
+    devices = LAYOUTS["DualPipeV"]
+    net = build_mlp(num_stages=len(devices), stage_devices=devices)
+    minimize(net, momentum(), dict(num_microbatches=4, schedule="DualPipeV"))
+    exe = staticpipe.Executor(trace=True)
+    exe.run(net.startup)
+    exe.run(net.main, feed=net.random_batch(16))
+    timeline = exe.timeline(net.main)
+    plan = staticpipe.plan_of(net.main)
+    pairs = [str(a) for acts in plan.actions.values() for a in acts if a.kind is Kind.FB]
+    assert sorted(str(a) for _, a, _, _ in timeline.events if a.kind is Kind.FB) == sorted(pairs) and len(pairs) == 6
+    assert timeline.predicted().total <= timeline.total * 1.001
+    assert 0.0 < timeline.bubble() < 1.0
+    trace = tmp_path / "step.json"
+    timeline.to_chrome(str(trace))
+    _, by_rank = chrome_events(trace)
+    assert sorted(e["name"] for events in by_rank.values() for e in events if e["cat"] == "FB") == sorted(pairs)
+    png = tmp_path / "step.png"
+    timeline.to_png(str(png))
+    from matplotlib.image import imread
+    assert colored_pixels(imread(str(png)), Kind.FB) > 20
+    exe.close()
 
 
 # ----------------------------------------------------------------------------- cost-aware plans

@@ -10,12 +10,14 @@ contiguous stages by a policy (uniform, params, time, memory) and writes each op
     costs.py       Profile: per-op and per-layer costs, tables, CSV, JSON
     policies.py    where to cut: one exact dynamic program, four objectives; pure numpy
     auto_place.py  constraints (guards, split points), the cut, the op tags and the per-stage report
+    planner.py     auto_plan: partition x schedule x per-stage recompute under per-device memory caps
 """
 from .auto_place import POLICIES, Placement, StageReport, auto_place
 from .layers import Layer, group_layers
 from .policies import Constraints
 from .costs import LayerRow, OpRow, Profile
 from .profile import profile
+from .planner import Candidate, PlanReport, auto_plan
 
-__all__ = ["auto_place", "Placement", "StageReport", "POLICIES", "profile", "Profile", "OpRow", "LayerRow",
+__all__ = ["auto_plan", "PlanReport", "Candidate", "auto_place", "Placement", "StageReport", "POLICIES", "profile", "Profile", "OpRow", "LayerRow",
            "Layer", "group_layers", "Constraints"]

@@ -79,8 +79,8 @@ class Placement:
 
     def predicted_step_time(self, schedule: str | None = None, num_microbatches: int | None = None) -> float:
         """Seconds per step that ``staticpipe.schedule.simulate`` predicts for the profiled stage times
-        (F = a stage's forward, B = its backward, halved into B and W for split-backward schedules;
-        messages and the optimizer cost 0)."""
+        (F = a stage's forward, B = its backward, halved into B and W for split-backward schedules; a
+        paired FB its F plus its B; messages and the optimizer cost 0)."""
         self._times("predicted_step_time")
         kind = get_kind(schedule or self.schedule)
         m = check_microbatches(num_microbatches or self.num_microbatches)
@@ -89,7 +89,7 @@ class Placement:
         share = 0.5 if kind.split_backward else 1.0
         cost = {Kind.F: [s.forward_s for s in self.stages], Kind.B: [s.backward_s * share for s in self.stages],
                 Kind.W: [s.backward_s * (1 - share) for s in self.stages]}
-        return simulate(compute, lambda a: cost[a.kind][a.stage] if a.kind in cost else 0.0,
+        return simulate(compute, lambda a: sum(cost[h.kind][h.stage] for h in a.halves() if h.kind in cost),
                         len(self.stages)).total
 
     def _times(self, what: str) -> list[float]:

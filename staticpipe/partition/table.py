@@ -3,13 +3,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..memory_model import human_bytes
 
-def human_bytes(n: float) -> str:
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    k = 0
-    while abs(n) >= 1024 and k < len(units) - 1:
-        n, k = n / 1024, k + 1
-    return f"{n:.0f} B" if k == 0 else f"{n:.1f} {units[k]}"
+__all__ = ["format_table", "human_bytes"]
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

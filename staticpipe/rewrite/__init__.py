@@ -16,6 +16,7 @@ from ..plan import FORWARD_ONLY, Plan
 from ..schedule import Schedule, get_kind, lower, make_schedule, validate
 from ..schedule.actions import F
 from ..schedule.simulate import StageCosts
+from .memory import memory_model
 from .options import PlanOptions
 from .programs import MERGED_SUFFIX, section_runs
 from .sections import build_sections
@@ -60,7 +61,8 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 schedule=kind.name if kind is not None else "custom", actions=actions, ranks=tuple(ranks),
                 data_vars=data_vars, data_specs=_data_specs(program, data_vars, m), loss=loss_name,
                 producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
-                replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree)
+                replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree,
+                memory=memory_model(stages, actions, ranks))
 
 
 def check_layout(program: framework.Program, options: PlanOptions) -> tuple[StageAssignment, list[str], list[int]]:

@@ -20,6 +20,7 @@ from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LOSS, core, fram
 from ..ir import arg_names, declared
 from ..pir_view import PirView
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, PER_MICROBATCH, WEIGHT, Exchange, Route, Section, SectionRef, Stage
+from ..schedule import KINDS
 from .optimize import LOSS_SCALING_OPS, Reduction, StageSlice, place_optimize_ops, shared_partials
 from . import pir_programs
 from .optimize_section import Exchanges, init_section, optimize_section
@@ -149,7 +150,8 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     drop_out: dict[SectionRef, Drops] = defaultdict(dict)
     if split_backward:
         if recompute:
-            raise ValueError("recompute is not supported with schedules that split the backward (ZB-H1, ZB-V) yet")
+            split = ", ".join(k.name for k in KINDS.values() if k.split_backward)
+            raise ValueError(f"recompute is not supported with schedules that split the backward ({split}) yet")
         params = {prm.name for prm in block.all_parameters()} | held  # AMP's copies: their gradients are W's too
         for s in range(p):
             b, w = SectionRef(s, BACKWARD), SectionRef(s, WEIGHT)

@@ -33,7 +33,7 @@ class RankProgram:
     rank: ``optimize_phase``), and what a micro-batch leaves in a stage's scope."""
 
     actions: tuple[Action, ...]
-    last_use: dict[int, bool]  # action position -> the (stage, micro-batch) scope is released after it
+    last_use: dict[int, tuple[tuple[int, int], ...]]  # action position -> (stage, micro-batch) scopes to release
     optimizer_groups: dict[int, tuple[int, ...]]  # first stage of a run of OPT actions -> its stages
     leftovers: dict[int, tuple[str, ...]]  # stage -> names a micro-batch leaves in its scope
     optimize_leftovers: dict[int, tuple[str, ...]]  # stage -> names its optimize section leaves in its scope
@@ -42,7 +42,11 @@ class RankProgram:
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "RankProgram":
         actions = tuple(plan.actions[rank])
-        last = {(a.stage, a.microbatch): i for i, a in enumerate(actions) if a.microbatch is not None}
+        last = {(h.stage, h.microbatch): i for i, a in enumerate(actions) for h in a.halves()
+                if h.microbatch is not None}
+        released: dict[int, tuple[tuple[int, int], ...]] = {}
+        for key, i in last.items():
+            released[i] = released.get(i, ()) + (key,)
         groups: dict[int, tuple[int, ...]] = {}
         run: list[int] = []
         for a in actions + (None,):
@@ -63,7 +67,7 @@ class RankProgram:
                                                      for name, persistable in declared(p) if not persistable}))
                               for a in actions if a.kind is Kind.OPT}
         first = next((a.stage for a in actions if a.kind is Kind.OPT), None)
-        return cls(actions, {i: True for i in last.values()}, groups, leftovers, optimize_leftovers, first)
+        return cls(actions, released, groups, leftovers, optimize_leftovers, first)
 
 
 @dataclass
@@ -111,6 +115,7 @@ class DeviceWorker:
         self._ctx: dict[tuple[Run, tuple[str, ...]], Any] = {}  # (run, values fetched from it) -> context
         self._free: list[core._Scope] = []
         self.memory: dict[int, MemoryStats] = {}  # stage -> activation memory
+        self.device_memory = MemoryStats()  # all its stages at once (the peaks of a V's two stages need not meet)
         self._held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes kept after its forward
         self._sizes: dict[tuple[Section, tuple], tuple[int, int]] = {}  # see _held_bytes
         self._pir: PirRuns | None = None  # the runs of PIR section programs, made on first use
@@ -174,11 +179,10 @@ class DeviceWorker:
                         group = program.optimizer_groups.get(action.stage)
                         if group is not None:  # the first of the rank's OPT actions runs them all
                             run_optimizers(self, job, group)
+                    elif action.kind is Kind.FB:
+                        self._compute_pair(job, action, [self._scope(scopes, h) for h in action.halves()], result)
                     else:
-                        key = (action.stage, action.microbatch)
-                        scope = scopes.get(key)
-                        if scope is None:
-                            scope = scopes[key] = self.borrow_scope()
+                        scope = self._scope(scopes, action)
                         if action.kind is Kind.RECV:
                             self._recv(job, action, scope)
                         elif action.kind is Kind.SEND:
@@ -191,12 +195,19 @@ class DeviceWorker:
                     raise StageError(action.stage, self.device, action, exc) from exc
                 if record is not None:
                     record(action, started, time.perf_counter())
-                if i in program.last_use:
-                    self._release(program, action.stage, action.microbatch, scopes.pop((action.stage, action.microbatch)))
+                for stage, mb in program.last_use.get(i, ()):
+                    self._release(program, stage, mb, scopes.pop((stage, mb)))
         finally:  # a failed step leaves no half-used micro-batch scope behind
             for (stage, mb), scope in scopes.items():
                 self._release(program, stage, mb, scope)
         return result
+
+    def _scope(self, scopes: dict[tuple[int, int], core._Scope], a: Action) -> core._Scope:
+        """The scope of ``a``'s (stage, micro-batch), borrowed by its first action."""
+        key = (a.stage, a.microbatch)
+        if key not in scopes:
+            scopes[key] = self.borrow_scope()
+        return scopes[key]
 
     def _recv(self, job: StepJob, a: Action, scope: core._Scope) -> None:
         for name, value in job.channel.recv((a.route, a.microbatch), a.peer).items():
@@ -224,10 +235,23 @@ class DeviceWorker:
             held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, a.microbatch, scope)
             stats = self.memory.setdefault(a.stage, MemoryStats())
             stats.add(held, 1)
+            self.device_memory.add(held, 1)
             if stats.step_value_bytes is None:  # once: their sizes are the parameters'
                 stats.step_value_bytes = sum(tensor_bytes(self.scope, n) for n in job.plan.stages[a.stage].step_values)
         for name in names:
             result.fetched.setdefault(name, []).append(np.array(tensor_of(scope, name, a)))
+
+    def _compute_pair(self, job: StepJob, pair: Action, scopes: list[core._Scope], result: StepResult) -> None:
+        """An FB action: its F, then its B, each in its own micro-batch's scope. Back to back, since a
+        CPU stage runs one section at a time; their messages were received before and go after. A
+        failure names the pair and the stage of the half that failed."""
+        for half, scope in zip(pair.halves(), scopes):
+            try:
+                self._compute(job, half, scope, result)
+            except (PipelineAborted, StageError, KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:
+                raise StageError(half.stage, self.device, pair, exc) from exc
 
     def _held_bytes(self, job: StepJob, forward: Section, microbatch: int, scope: core._Scope) -> int:
         """Bytes ``forward`` left in ``scope`` for the backward. Why not always measured: it costs a few
@@ -249,7 +273,12 @@ class DeviceWorker:
         held = self._held.pop((stage, microbatch), None)
         if held is not None:
             self.memory[stage].add(-held, -1)
+            self.device_memory.add(-held, -1)
         self.return_scope(scope, program.leftovers[stage])
+
+    def reset_memory(self) -> None:
+        self.memory.clear()
+        self.device_memory = MemoryStats()
 
     def borrow_scope(self) -> core._Scope:
         """A scope under the device's for one micro-batch's (or one optimize section's) temporaries."""

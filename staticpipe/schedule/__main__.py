@@ -6,7 +6,9 @@
 ``--stages`` is the number of ranks (devices), ``--chunks`` the stages per device. ``--json`` prints
 the action lists as JSON (``schedule_from_json`` reads it back) instead of text. ``--costs`` prices the
 simulation and, for the schedules that plan by costs (ZB-H1, ZB-V), the plan itself: the simulated
-total of the unit-cost plan under the same costs is printed beside it.
+total of the unit-cost plan under the same costs is printed beside it. ``span bubble`` is the bubble with
+no barrier between steps (each rank's idle time between its own first and last action): the zero-bubble
+papers' measure, 0 for ZB-2P.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     print(schedule_to_json(schedule) if args.json else format_schedule(schedule))
     print(f"simulated total: {sim.total:g}")
     print(f"bubble: {sim.bubble:.4f}")
+    print(f"span bubble: {sim.span_bubble:.4f}")
     print("peak in flight: " + ", ".join(f"stage {s}: {n}" for s, n in sim.peak_inflight.items()))
     if unit is not None:
         print(f"unit-cost plan under these costs: simulated total {unit.total:g}, bubble {unit.bubble:.4f}")

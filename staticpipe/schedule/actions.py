@@ -7,8 +7,17 @@ stage). Lowering adds SEND and RECV actions that move a route's cut variables be
 action names its *global* stage; the dict key is the rank that runs it. The runtime executes any valid
 list; it knows no schedule.
 
-Actions have a text form (``0F3``, ``1B0``, ``0W5``, ``0OPT``, ``0SEND_F3>1``, ``1RECV_F3<0``) so
-schedules can be printed, written by hand and read back, and a JSON form that also keeps the route.
+FB is one F and one B paired on a rank, of different micro-batches (DualPipe's overlapped "F&B"). Why
+one action and not two: the pair is the schedule's unit -- both halves' inputs are received before it
+starts and both halves' outputs sent after it ends, so a device able to overlap the two computations
+(and their messages) gets them as one decision, and the simulator can price the pair on its own
+(``{"FB": 1.5}``). ``stage``/``microbatch`` are its F half's, ``b_stage``/``b_microbatch`` its B half's;
+``halves()`` gives the two, and every check counts them as the F and the B they are. Neither half may
+depend on the other. The runtime here runs them back to back.
+
+Actions have a text form (``0F3``, ``1B0``, ``0W5``, ``0OPT``, ``0F3&7B1``, ``0SEND_F3>1``,
+``1RECV_F3<0``) so schedules can be printed, written by hand and read back, and a JSON form that also
+keeps the route.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ class Kind(str, Enum):
     OPT = "OPT"
     SEND = "SEND"
     RECV = "RECV"
+    FB = "FB"
 
 
 COMPUTE_KINDS = (Kind.F, Kind.B)  # the kinds that run a per-micro-batch section with cut variables
@@ -37,7 +47,8 @@ class Action:
     """One step of one rank.
 
     For SEND/RECV, ``route`` is the plan's route index, ``peer`` the other *stage* and ``channel`` what
-    travels ("F" activations, "B" gradients, "FB" forward values to a backward section).
+    travels ("F" activations, "B" gradients, "FB" forward values to a backward section). For FB,
+    ``b_stage`` and ``b_microbatch`` are the backward half's.
     """
 
     kind: Kind
@@ -46,6 +57,8 @@ class Action:
     route: int | None = None
     peer: int | None = None
     channel: str = ""
+    b_stage: int | None = None
+    b_microbatch: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind(self.kind))  # "F" -> Kind.F, so ``is`` tests hold
@@ -57,7 +70,15 @@ class Action:
             return f"{self.stage}SEND_{self.channel}{self.microbatch}>{self.peer}"
         if self.kind is Kind.RECV:
             return f"{self.stage}RECV_{self.channel}{self.microbatch}<{self.peer}"
+        if self.kind is Kind.FB:
+            return f"{self.stage}F{self.microbatch}&{self.b_stage}B{self.b_microbatch}"
         return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def halves(self) -> tuple["Action", ...]:
+        """What the action computes, as F/B/W/OPT actions: an FB's F and B halves, else the action itself."""
+        if self.kind is Kind.FB:
+            return Action(Kind.F, self.stage, self.microbatch), Action(Kind.B, self.b_stage, self.b_microbatch)
+        return (self,)
 
 
 def F(stage: int, mb: int) -> Action:
@@ -76,9 +97,14 @@ def OPT(stage: int) -> Action:
     return Action(Kind.OPT, stage)
 
 
+def FB(stage: int, mb: int, b_stage: int, b_mb: int) -> Action:
+    return Action(Kind.FB, stage, mb, b_stage=b_stage, b_microbatch=b_mb)
+
+
 Schedule = dict[int, list[Action]]
 
 _COMPUTE_RE = re.compile(r"(\d+)([FBW])(\d+)")
+_PAIR_RE = re.compile(r"(\d+)F(\d+)&(\d+)B(\d+)")
 _OPT_RE = re.compile(r"(\d+)OPT")
 _COMM_RE = re.compile(r"(\d+)(SEND|RECV)_(FB|F|B)(\d+)([<>])(\d+)")
 
@@ -90,9 +116,11 @@ def parse_action(text: str) -> Action:
         return Action(Kind(m[2]), int(m[1]), int(m[3]))
     if m := _OPT_RE.fullmatch(text):
         return OPT(int(m[1]))
+    if m := _PAIR_RE.fullmatch(text):
+        return FB(*map(int, m.groups()))
     if (m := _COMM_RE.fullmatch(text)) and m[5] == (">" if m[2] == "SEND" else "<"):
         return Action(Kind(m[2]), int(m[1]), int(m[4]), peer=int(m[6]), channel=m[3])
-    raise ValueError(f"not an action: {text!r} (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0SEND_F3>1, 1RECV_F3<0)")
+    raise ValueError(f"not an action: {text!r} (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0F3&7B1, 0SEND_F3>1, 1RECV_F3<0)")
 
 
 def format_schedule(schedule: Schedule) -> str:
@@ -119,7 +147,7 @@ def parse_schedule(text: str) -> Schedule:
     return schedule
 
 
-_FIELDS = ("microbatch", "route", "peer")
+_FIELDS = ("microbatch", "route", "peer", "b_stage", "b_microbatch")
 
 
 def schedule_to_json(schedule: Schedule) -> str:
@@ -135,7 +163,7 @@ def schedule_from_json(text: str) -> Schedule:
     """The schedule ``schedule_to_json`` wrote."""
     def action(d: dict) -> Action:
         try:
-            return Action(Kind(d["kind"]), d["stage"], *(d.get(f) for f in _FIELDS), d.get("channel", ""))
+            return Action(Kind(d["kind"]), d["stage"], channel=d.get("channel", ""), **{f: d.get(f) for f in _FIELDS})
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"not an action: {d!r}") from e
     data = json.loads(text)

@@ -7,6 +7,7 @@ rank has ended and its dependency is met:
 - in a compute-only schedule (no SEND/RECV yet), F on stage s waits for F on s - 1, B on s for B on
   s + 1, and the last stage's B for its own F -- the messages lowering would add;
 - W waits for the B of its stage and micro-batch;
+- an FB (a paired F and B) waits for what each of its halves waits for, and counts as both once done;
 - with ``collectives``, OPTs are a barrier: no rank starts one until every rank has reached its first
   OPT, because the optimize sections then hold all-reduces every rank must join.
 
@@ -36,8 +37,12 @@ def fail(rank: int, step: int, action: Action, problem: str) -> ScheduleError:
     return ScheduleError(f"rank {rank}, step {step}, action {action}: {problem}", rank, step, action)
 
 
+def _dependencies(a: Action, num_stages: int, lowered: bool) -> list[Action]:
+    """The actions ``a`` waits for, other than the previous one on its rank (RECV and OPT aside)."""
+    return [d for h in a.halves() if (d := _dependency(h, num_stages, lowered)) is not None]
+
+
 def _dependency(a: Action, num_stages: int, lowered: bool) -> Action | None:
-    """The action ``a`` waits for, other than the previous one on its rank (RECV and OPT aside)."""
     if a.kind is Kind.W:
         return Action(Kind.B, a.stage, a.microbatch)
     if a.kind is Kind.B and a.stage == num_stages - 1:
@@ -80,8 +85,8 @@ def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], fl
             return sent_at.get(key)
         if a.kind is Kind.OPT and collectives:
             return max(reached.values()) if len(reached) == len(ranks) else None
-        dep = _dependency(a, num_stages, lowered)
-        return 0.0 if dep is None else done.get(dep)
+        waits = [done.get(d) for d in _dependencies(a, num_stages, lowered)]
+        return None if None in waits else max(waits, default=0.0)
 
     def reach(r: int) -> None:
         if ptr[r] == first_opt[r]:
@@ -112,12 +117,12 @@ def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], fl
                 elif a.kind is Kind.RECV:
                     received.add((a.route, a.microbatch))
                 else:
-                    done[a] = end
+                    done.update(dict.fromkeys(a.halves(), end))
                 ptr[r] += 1
                 reach(r)
                 progressed = True
         if not progressed:
-            raise _deadlock(schedule, ranks, ptr, first_opt, num_stages, lowered, collectives)
+            raise _deadlock(schedule, ranks, ptr, first_opt, done, num_stages, lowered, collectives)
     for key, (r, i, a) in sorted(sent.items(), key=lambda kv: kv[1][:2]):
         if key not in received:
             raise fail(r, i, a, f"route {a.route}, micro-batch {a.microbatch} is never received")
@@ -134,7 +139,7 @@ def _check_receive(r: int, i: int, recv: Action, sender: tuple[int, int, Action]
 
 
 def _deadlock(schedule: Schedule, ranks: list[int], ptr: dict[int, int], first_opt: dict[int, int],
-              num_stages: int, lowered: bool, collectives: bool) -> ScheduleError:
+              done: dict[Action, float], num_stages: int, lowered: bool, collectives: bool) -> ScheduleError:
     blocked = [(r, ptr[r], schedule[r][ptr[r]]) for r in ranks if ptr[r] < len(schedule[r])]
     waits = []
     for r, i, a in blocked:
@@ -144,7 +149,7 @@ def _deadlock(schedule: Schedule, ranks: list[int], ptr: dict[int, int], first_o
             behind = [q for q in ranks if ptr[q] < first_opt[q]]
             what = f"the OPT barrier (rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} not there)"
         else:
-            what = str(_dependency(a, num_stages, lowered))
+            what = " and ".join(str(d) for d in _dependencies(a, num_stages, lowered) if d not in done)
         waits.append(f"rank {r} at step {i} ({a}) waits for {what}")
     r, i, a = blocked[0]
     return ScheduleError("deadlock: " + "; ".join(waits), r, i, a)

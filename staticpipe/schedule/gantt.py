@@ -13,7 +13,7 @@ from .execution import Event
 from .simulate import Simulation
 
 COLORS = {Kind.F: "#4c72b0", Kind.B: "#dd8452", Kind.W: "#55a868", Kind.OPT: "#8c8c8c",
-          Kind.SEND: "#c44e52", Kind.RECV: "#8172b3"}
+          Kind.SEND: "#c44e52", Kind.RECV: "#8172b3", Kind.FB: "#937860"}
 THIN = (Kind.SEND, Kind.RECV)  # drawn as thin bars under the compute boxes
 LABEL_MIN_WIDTH = 0.012  # of the panel's time span: narrower boxes get no micro-batch number
 
@@ -31,8 +31,8 @@ def _events(timeline: Timeline) -> list[Event]:
 def draw_gantt(timelines: dict[str, Timeline], path: str) -> None:
     """Write a PNG to ``path``: one panel per named timeline (a ``Simulation`` or raw events).
 
-    Boxes are coloured by kind (F, B, W, OPT; SEND/RECV thin); a rank's later chunks are drawn
-    lighter, and boxes wide enough carry their micro-batch number.
+    Boxes are coloured by kind (F, B, W, OPT, a paired FB; SEND/RECV thin); a rank's later chunks are
+    drawn lighter, and boxes wide enough carry their micro-batch number (an FB: its F's & its B's).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -53,8 +53,8 @@ def draw_gantt(timelines: dict[str, Timeline], path: str) -> None:
             ax.broken_barh([(s, e - s)], (y, h), facecolors=COLORS[a.kind], alpha=alpha,
                            edgecolor="white", linewidth=0.5)
             if not thin and a.microbatch is not None and (e - s) / span >= LABEL_MIN_WIDTH:
-                ax.text((s + e) / 2, r - 0.05, str(a.microbatch), ha="center", va="center", fontsize=7,
-                        color="white")
+                label = f"{a.microbatch}&{a.b_microbatch}" if a.kind is Kind.FB else str(a.microbatch)
+                ax.text((s + e) / 2, r - 0.05, label, ha="center", va="center", fontsize=7, color="white")
         ax.set_title(name, fontsize=10, loc="left")
         ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
         ax.set_ylim(max(ranks, default=0) + 0.6, -0.6)

@@ -5,7 +5,9 @@ after the one of its source section; W and OPT move no cut variables. Routes are
 action's own stage, not the rank it runs on, so several stages per rank lower the same way (a route
 between two stages of one rank becomes a SEND and a RECV on that rank). Sends never block, so this
 cannot deadlock for a schedule whose compute order respects each micro-batch's path
-F0 < F1 < ... < B1 < B0; ``validate`` checks that with a dry run.
+F0 < F1 < ... < B1 < B0; ``validate`` checks that with a dry run. An FB (a paired F and B) gets the
+RECVs of both halves before it and the SENDs of both after it, as DualPipe posts them around its
+overlapped pair: a device can then overlap the pair's messages with each other.
 """
 from __future__ import annotations
 
@@ -45,14 +47,11 @@ def lower(schedule: Schedule, routes: Iterable[RouteLike]) -> Schedule:
     for rank, actions in schedule.items():
         out: list[Action] = []
         for a in actions:
-            if a.kind not in COMPUTE_KINDS:
-                out.append(a)
-                continue
-            section = _SECTION_OF[a.kind]
-            out += [Action(Kind.RECV, a.stage, a.microbatch, r.index, r.src.stage, r.channel)
-                    for r in routes if r.dst.stage == a.stage and r.dst.kind == section]
+            halves = [h for h in a.halves() if h.kind in COMPUTE_KINDS]
+            out += [Action(Kind.RECV, h.stage, h.microbatch, r.index, r.src.stage, r.channel)
+                    for h in halves for r in routes if r.dst.stage == h.stage and r.dst.kind == _SECTION_OF[h.kind]]
             out.append(a)
-            out += [Action(Kind.SEND, a.stage, a.microbatch, r.index, r.dst.stage, r.channel)
-                    for r in routes if r.src.stage == a.stage and r.src.kind == section]
+            out += [Action(Kind.SEND, h.stage, h.microbatch, r.index, r.dst.stage, r.channel)
+                    for h in halves for r in routes if r.src.stage == h.stage and r.src.kind == _SECTION_OF[h.kind]]
         lowered[rank] = out
     return lowered

@@ -1,9 +1,10 @@
 """The named schedules: how each generates its action lists and where it needs each stage to live.
 
 A kind pairs a generator with a layout (the rank of every stage) because the two are one decision:
-interleaved 1F1B only works with stage s on rank s % p, ZB-V only with the V. The rewrite builds a
-plan's stages from the program's device guards and checks them against the layout; the generator
-then fills in the order.
+interleaved 1F1B only works with stage s on rank s % p, ZB-V (and V-Min, V-Half, DualPipeV) only with
+the V. The rewrite builds a plan's stages from the program's device guards and checks them against the
+layout; the generator then fills in the order. A kind that only works from some number of
+micro-batches on says so (``min_microbatches``), and ``make_schedule`` refuses fewer by name.
 """
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .actions import Action, Schedule
+from .dualpipe import dualpipe_v
 from .gpipe import f_then_b
 from .interleaved import interleaved
-from .one_f_one_b import one_f_one_b
+from .one_f_one_b import eager_one_f_one_b, one_f_one_b
 from .simulate import StageCosts, stage_cost_function
-from .zero_bubble import zb_h1, zb_v, zb_v_layout
+from .v_shape import v_half, v_min
+from .zero_bubble import zb_2p, zb_h1, zb_v, zb_v_layout
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class ScheduleKind:
     split_backward: bool = False  # emits W actions
     chunks: int | None = 1  # stages per rank it needs; None: any number >= 1
     cost_aware: bool = False  # generate takes a fourth argument: the F/B/W durations to plan with
+    # (ranks -> the fewest micro-batches it runs, that rule in words), None: any number
+    min_microbatches: tuple[Callable[[int], int], str] | None = None
 
 
 def _one_chunk(generate: Callable[[int, int], Schedule]) -> Callable[[int, int, int], Schedule]:
@@ -43,13 +48,25 @@ def _round_robin(num_ranks: int, num_chunks: int) -> list[int]:
     return [s % num_ranks for s in range(num_ranks * num_chunks)]
 
 
+def _v(num_ranks: int, num_chunks: int) -> list[int]:
+    return zb_v_layout(num_ranks)
+
+
 KINDS = {k.name: k for k in (
     ScheduleKind("F-then-B", _one_chunk(f_then_b), _round_robin),
     ScheduleKind("1F1B", _one_chunk(one_f_one_b), _round_robin),
     ScheduleKind("interleaved", interleaved, _round_robin, chunks=None),
     ScheduleKind("ZB-H1", _one_chunk_costed(zb_h1), _round_robin, split_backward=True, cost_aware=True),
-    ScheduleKind("ZB-V", _one_chunk_costed(zb_v), lambda num_ranks, num_chunks: zb_v_layout(num_ranks),
-                 split_backward=True, chunks=2, cost_aware=True),
+    ScheduleKind("ZB-V", _one_chunk_costed(zb_v), _v, split_backward=True, chunks=2, cost_aware=True),
+    ScheduleKind("V-Min", _one_chunk(v_min), _v, split_backward=True, chunks=2),
+    ScheduleKind("V-Half", _one_chunk(v_half), _v, split_backward=True, chunks=2),
+    ScheduleKind("ZB-2P", _one_chunk(zb_2p), _round_robin, split_backward=True),
+    ScheduleKind("Eager1F1B", _one_chunk(eager_one_f_one_b), _round_robin,
+                 min_microbatches=(lambda num_ranks: 2 * num_ranks - 1, "2 x devices - 1: stage 0's warm-up forwards, "
+                                   "as Paddle's Eager1F1B pass requires")),
+    ScheduleKind("DualPipeV", _one_chunk(dualpipe_v), _v, split_backward=True, chunks=2,
+                 min_microbatches=(lambda num_ranks: 2 * num_ranks, "2 x devices: every rank fills both of its "
+                                   "chunks before its first paired F&B")),
 )}
 ALIASES = {"FThenB": "F-then-B", "GPipe": "F-then-B",
            "Interleaved1F1B": "interleaved", "interleaved-1F1B": "interleaved"}
@@ -121,6 +138,10 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: 
         use = " or ".join(str(n) for n in (below, below + num_ranks) if n > 0)
         raise ValueError(f"interleaved 1F1B needs num_microbatches to be a multiple of the number of devices "
                          f"({num_ranks}); got {num_microbatches}: use {use}")
+    if kind.min_microbatches is not None and num_microbatches < kind.min_microbatches[0](num_ranks):
+        least, rule = kind.min_microbatches[0](num_ranks), kind.min_microbatches[1]
+        raise ValueError(f"schedule {kind.name} needs num_microbatches >= {least} on {num_ranks} "
+                         f"device{'s' * (num_ranks != 1)} ({rule}); got {num_microbatches}")
     if duration is not None:
         return kind.generate(num_ranks, num_microbatches, num_chunks, duration)
     return kind.generate(num_ranks, num_microbatches, num_chunks)

@@ -15,7 +15,7 @@ from .actions import Action, Kind, Schedule
 from .execution import Event, execute
 
 UNIT_COSTS = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.OPT: 0.0, Kind.SEND: 0.0, Kind.RECV: 0.0}
-BUSY_KINDS = (Kind.F, Kind.B, Kind.W, Kind.OPT)  # compute; messages are not useful work
+BUSY_KINDS = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)  # compute; messages are not useful work
 
 Costs = None | Mapping[str, float] | Callable[[Action], float]
 
@@ -27,18 +27,25 @@ class Simulation:
     busy: dict[int, float]  # rank -> time spent in compute actions
     bubble: float  # 1 - sum(busy) / (ranks x total): the fraction of rank-time left idle
     peak_inflight: dict[int, int]  # stage -> most micro-batches between their F and their last backward
+    # 1 - sum(busy) / (ranks x the longest rank span, from a rank's first start to its last end): the idle
+    # time when steps follow each other with no barrier, each rank starting its next step as soon as it is
+    # done -- the bubble the zero-bubble papers report (ZB-2P's 0), which leaves out the fill that
+    # ``bubble`` counts once per step (a rank that starts late also ends late)
+    span_bubble: float
 
 
 def cost_function(costs: Costs) -> Callable[[Action], float]:
     """``costs`` as a function of the action: None is unit costs (F = B = W = 1, OPT and messages 0), a
-    mapping overrides some kinds ({"F": 1, "B": 2}), a callable prices each action (measured times)."""
+    mapping overrides some kinds ({"F": 1, "B": 2}), a callable prices each action (measured times). An
+    FB costs its F plus its B (run back to back) unless the mapping prices "FB" itself (overlapped)."""
     if callable(costs):
         return costs
     table = dict(UNIT_COSTS)
     for kind, seconds in (costs or {}).items():
-        if kind not in UNIT_COSTS:
+        if kind not in Kind.__members__:
             raise ValueError(f"unknown action kind {kind!r} in costs; kinds: {', '.join(k.value for k in Kind)}")
         table[Kind(kind)] = float(seconds)
+    table.setdefault(Kind.FB, table[Kind.F] + table[Kind.B])
     return lambda a: table[a.kind]
 
 
@@ -58,26 +65,44 @@ def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = N
         if a.kind in BUSY_KINDS:
             busy[rank] += e - s
     bubble = 1.0 - sum(busy.values()) / (len(schedule) * total) if total > 0 else 0.0
-    return Simulation(events, total, busy, bubble, peak_inflight(schedule))
+    spans: dict[int, tuple[float, float]] = {}  # rank -> (first start, last end)
+    for rank, _, start, end in events:
+        first, last = spans.get(rank, (start, end))
+        spans[rank] = (min(first, start), max(last, end))
+    span = max((last - first for first, last in spans.values()), default=0.0)
+    span_bubble = 1.0 - sum(busy.values()) / (len(schedule) * span) if span > 0 else 0.0
+    return Simulation(events, total, busy, bubble, peak_inflight(schedule), span_bubble)
 
 
 def peak_inflight(schedule: Schedule) -> dict[int, int]:
     """Per stage, the most micro-batches whose F has run and whose last backward action (W if the
-    backward is split, else B) has not: the activations the stage must hold at once. A stage's
-    actions all run on one rank in list order, so counting along the list is exact."""
-    last = Kind.W if any(a.kind is Kind.W for acts in schedule.values() for a in acts) else Kind.B
-    live: dict[int, set[int]] = {}
+    backward is split, else B) has not: the activations the stage must hold at once."""
     peak: dict[int, int] = {}
-    for acts in schedule.values():
-        for a in acts:
+    for seen in inflight_counts(schedule).values():
+        for counts in seen:
+            for stage, n in counts.items():
+                peak[stage] = max(peak.get(stage, 0), n)
+    return dict(sorted(peak.items()))
+
+
+def inflight_counts(schedule: Schedule) -> dict[int, list[dict[int, int]]]:
+    """Per rank, after each of its actions, how many micro-batches each of its stages holds between F and
+    the last backward action (what a rank holding several stages holds at once: ``memory_model.py``). A
+    stage's actions all run on one rank in list order, so counting along the list is exact (an FB as its
+    F, then its B)."""
+    last = Kind.W if any(h.kind is Kind.W for acts in schedule.values() for a in acts for h in a.halves()) else Kind.B
+    out: dict[int, list[dict[int, int]]] = {}
+    for rank, acts in schedule.items():
+        live: dict[int, set[int]] = {}
+        seen = out.setdefault(rank, [])
+        for a in (h for b in acts for h in b.halves()):
             held = live.setdefault(a.stage, set())
             if a.kind is Kind.F:
                 held.add(a.microbatch)
             elif a.kind is last:
                 held.discard(a.microbatch)
-            peak[a.stage] = max(peak.get(a.stage, 0), len(held))
-    return dict(sorted(peak.items()))
-
+            seen.append({stage: len(mbs) for stage, mbs in live.items()})
+    return out
 
 
 PLANNED_KINDS = (Kind.F, Kind.B, Kind.W)  # what a cost-aware generator prices; it places OPT last anyway
@@ -92,7 +117,7 @@ def stage_cost_function(costs: StageCosts, num_stages: int | None = None,
     A mapping gives each of F, B, W one duration for every stage or a list of one per stage
     (``Timeline.stage_costs()``: measured stages differ, and that is what the plan must know); kinds
     left out cost 1. A callable is used as it is. Errors name ``name``, the kind and the value at
-    fault; the lists' length is checked once ``num_stages`` is known.
+    fault; the lists' length is checked once ``num_stages`` is known. An FB costs its F plus its B.
     """
     if callable(costs):
         return costs
@@ -112,7 +137,12 @@ def stage_cost_function(costs: StageCosts, num_stages: int | None = None,
                 raise ValueError(f"{name}[{kind!r}] has {len(values)} values for {num_stages} stages: {value!r}")
             per_stage[Kind(kind)] = [float(v) for v in values]
     same = cost_function({k: v for k, v in costs.items() if Kind(k) not in per_stage})
-    return lambda a: per_stage[a.kind][a.stage] if a.kind in per_stage else same(a)
+
+    def price(a: Action) -> float:
+        if a.kind is Kind.FB:
+            return sum(map(price, a.halves()))
+        return per_stage[a.kind][a.stage] if a.kind in per_stage else same(a)
+    return price
 
 
 def _is_duration(value: object) -> bool:

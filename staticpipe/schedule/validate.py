@@ -5,7 +5,9 @@ or JSON) may not be, and the runtime would otherwise fail mid-step or wait forev
 local to global, so the first error is the most specific one: each action on its own (its stage lives
 on this rank, its micro-batch exists, SEND/RECV name a route and a peer), then each stage's set of
 actions (exactly one F, B -- and W iff the backward is split -- per micro-batch, one OPT), then each
-stage's order (F < B < W < OPT), then a dry run of all ranks together (deadlocks, lost messages).
+stage's order (F < B < W < OPT), then a dry run of all ranks together (deadlocks, lost messages). An FB
+action is checked as its two halves (each on this rank, counted as the F and the B it holds, each in
+order after what came before the pair), and errors name the FB as written.
 """
 from __future__ import annotations
 
@@ -29,13 +31,16 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_r
     seen: dict[tuple, tuple[int, int, Action]] = {}  # (kind, stage, micro-batch) -> rank, step, action
     for r, acts in sorted(schedule.items()):
         for i, a in enumerate(acts):
-            _check_action(r, i, a, num_stages, num_microbatches, stage_ranks, split_backward)
-            if a.kind in COUNTED:
-                key = (a.kind, a.stage, a.microbatch)
-                if key in seen:
-                    what = "OPT" if a.kind is Kind.OPT else f"{a.kind.value} of micro-batch {a.microbatch}"
-                    raise fail(r, i, a, f"stage {a.stage} runs {what} twice")
-                seen[key] = (r, i, a)
+            if not isinstance(a, Action):
+                raise ScheduleError(f"rank {r}, step {i}: {a!r} is not an Action (parse_action reads text)", r, i)
+            for h in a.halves():
+                _check_action(r, i, a, h, num_stages, num_microbatches, stage_ranks, split_backward)
+                if h.kind in COUNTED:
+                    key = (h.kind, h.stage, h.microbatch)
+                    if key in seen:
+                        what = "OPT" if h.kind is Kind.OPT else f"{h.kind.value} of micro-batch {h.microbatch}"
+                        raise fail(r, i, a, f"stage {h.stage} runs {what} twice")
+                    seen[key] = (r, i, a)
     for s in range(num_stages):
         for k in kinds:
             missing = [mb for mb in range(num_microbatches) if (k, s, mb) not in seen]
@@ -49,18 +54,17 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_r
     execute(schedule, num_stages, lambda a: 0.0, collectives)
 
 
-def _check_action(r: int, i: int, a: object, num_stages: int, num_microbatches: int, stage_ranks: list[int],
-                  split_backward: bool) -> None:
-    if not isinstance(a, Action):
-        raise ScheduleError(f"rank {r}, step {i}: {a!r} is not an Action (parse_action reads text)", r, i)
-    if not (isinstance(a.stage, int) and 0 <= a.stage < num_stages):
-        raise fail(r, i, a, f"stage {a.stage} does not exist (stages 0..{num_stages - 1})")
-    if stage_ranks[a.stage] != r:
-        raise fail(r, i, a, f"stage {a.stage} is placed on rank {stage_ranks[a.stage]}, not rank {r}")
+def _check_action(r: int, i: int, a: Action, h: Action, num_stages: int, num_microbatches: int,
+                  stage_ranks: list[int], split_backward: bool) -> None:
+    """Action ``a`` at rank ``r``, step ``i``; ``h`` is ``a`` or one half of an FB ``a``."""
+    if not (isinstance(h.stage, int) and 0 <= h.stage < num_stages):
+        raise fail(r, i, a, f"stage {h.stage} does not exist (stages 0..{num_stages - 1})")
+    if stage_ranks[h.stage] != r:
+        raise fail(r, i, a, f"stage {h.stage} is placed on rank {stage_ranks[h.stage]}, not rank {r}")
     if a.kind is Kind.OPT:
         return
-    if not (isinstance(a.microbatch, int) and 0 <= a.microbatch < num_microbatches):
-        raise fail(r, i, a, f"micro-batch {a.microbatch} does not exist "
+    if not (isinstance(h.microbatch, int) and 0 <= h.microbatch < num_microbatches):
+        raise fail(r, i, a, f"micro-batch {h.microbatch} does not exist "
                             f"(micro-batches 0..{num_microbatches - 1})")
     if a.kind is Kind.W and not split_backward:
         raise fail(r, i, a, "a W action, but this schedule does not split the backward "
@@ -73,17 +77,19 @@ def _check_action(r: int, i: int, a: object, num_stages: int, num_microbatches: 
 
 
 def _check_order(r: int, acts: list[Action], num_microbatches: int, kinds: tuple[Kind, ...]) -> None:
-    """Per stage and micro-batch F < B (< W), and every B (and W) before the stage's OPT."""
+    """Per stage and micro-batch F < B (< W), and every B (and W) before the stage's OPT. The halves of
+    an FB are checked against what came before the pair: they run together, so neither may need the other."""
     done: set[tuple] = set()
     for i, a in enumerate(acts):
-        if a.kind in (Kind.B, Kind.W):
-            before = kinds[kinds.index(a.kind) - 1]
-            if (before, a.stage, a.microbatch) not in done:
-                raise fail(r, i, a, f"{a.kind.value} of micro-batch {a.microbatch} comes before its "
-                                    f"{before.value} on stage {a.stage}")
-        elif a.kind is Kind.OPT:
-            late = [mb for mb in range(num_microbatches) if (kinds[-1], a.stage, mb) not in done]
-            if late:
-                raise fail(r, i, a, f"OPT of stage {a.stage} comes before its {kinds[-1].value} "
-                                    f"of micro-batch {late[0]}")
-        done.add((a.kind, a.stage, a.microbatch))
+        for h in a.halves():
+            if h.kind in (Kind.B, Kind.W):
+                before = kinds[kinds.index(h.kind) - 1]
+                if (before, h.stage, h.microbatch) not in done:
+                    raise fail(r, i, a, f"{h.kind.value} of micro-batch {h.microbatch} comes before its "
+                                        f"{before.value} on stage {h.stage}")
+            elif h.kind is Kind.OPT:
+                late = [mb for mb in range(num_microbatches) if (kinds[-1], h.stage, mb) not in done]
+                if late:
+                    raise fail(r, i, a, f"OPT of stage {h.stage} comes before its {kinds[-1].value} "
+                                        f"of micro-batch {late[0]}")
+        done.update((h.kind, h.stage, h.microbatch) for h in a.halves())

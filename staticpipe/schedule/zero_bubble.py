@@ -1,8 +1,8 @@
-"""Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): ZB-H1 and ZB-V.
+"""Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): ZB-H1, ZB-2P and ZB-V.
 
 Splitting the backward into B (activation gradients, which the previous stage waits for) and W
 (weight gradients, which nobody waits for) lets a rank defer its W's into the idle time 1F1B has
-while the pipeline fills and drains. Both schedules come from one deterministic list scheduler that
+while the pipeline fills and drains. All three schedules come from one deterministic list scheduler that
 plays the step out in time: whenever a rank is free it runs, in priority,
 
 1. the next F of one of its stages (the later stage first), if its input is there and
@@ -38,6 +38,14 @@ measured here the unit-cost ZB-H1 order is already the best, and the planner kee
 ZB-H1 places stage s on rank s. ZB-V gives rank r the stages r and 2p-1-r: a micro-batch goes down
 the ranks and back up, so the last stage, whose B starts every backward, shares rank 0 with the
 first; with each chunk half a stage it idles about ``(p - 1) / 2`` steps, a sixth of 1F1B's.
+
+ZB-2P (the paper's ZB-H2 memory budget, ``memory=2``) is ZB-H1 allowed twice 1F1B's activations:
+rule 1a lets stage s run up to ``2 (S - s) - 1`` micro-batches ahead of its B's (Paddle's Eager1F1B
+warm-up: enough forwards that the stage's first B can start the moment its gradient arrives) and 1b
+caps a rank at ``2 p x chunks``. With p more micro-batches in flight the W's no longer have to fill
+the fill-and-drain gaps on a rank's critical path: from about ``m >= 2p`` no rank idles between its
+first and its last action at unit costs (``Simulation.span_bubble`` 0, the paper's zero bubble); the
+step still takes ``3m + p - 1`` units, as the last rank starts ``p - 1`` units late.
 """
 from __future__ import annotations
 
@@ -64,16 +72,22 @@ def zb_v(num_ranks: int, num_microbatches: int, costs: Costs = None) -> Schedule
     return greedy_split_backward(zb_v_layout(num_ranks), num_microbatches, costs)
 
 
-def greedy_split_backward(stage_ranks: list[int], num_microbatches: int, costs: Costs = None) -> Schedule:
+def zb_2p(num_ranks: int, num_microbatches: int) -> Schedule:
+    return greedy_split_backward(list(range(num_ranks)), num_microbatches, memory=2)
+
+
+def greedy_split_backward(stage_ranks: list[int], num_microbatches: int, costs: Costs = None,
+                          memory: int = 1) -> Schedule:
     """The list scheduler above for a placement ``stage_ranks`` (stage -> rank) with the same number
     of stages on every rank. ``costs`` (as for ``simulate``: None for unit costs, {"F": 1, "W": 0.5},
-    or a function of the action, e.g. per stage) are the durations it plans with."""
-    unit = _ListScheduler(stage_ranks, num_microbatches, cost_function(None)).run()
+    or a function of the action, e.g. per stage) are the durations it plans with. ``memory``: the
+    activations allowed, in multiples of 1F1B's (rules 1a and 1b)."""
+    unit = _ListScheduler(stage_ranks, num_microbatches, cost_function(None), memory=memory).run()
     if costs is None:
         return unit
     duration = cost_function(costs)
-    planned = [unit] + [_ListScheduler(stage_ranks, num_microbatches, duration, timed=True, w_fits_gaps=fits).run()
-                        for fits in (False, True)]
+    planned = [unit] + [_ListScheduler(stage_ranks, num_microbatches, duration, timed=True, w_fits_gaps=fits,
+                                       memory=memory).run() for fits in (False, True)]
     return min(planned, key=lambda s: simulate(s, duration, len(stage_ranks)).total)  # ties: the unit one
 
 
@@ -81,14 +95,16 @@ class _ListScheduler:
     """One playing-out of the rules: what each stage has started, and when each started action ends."""
 
     def __init__(self, stage_ranks: list[int], num_microbatches: int, duration: Duration, timed: bool = False,
-                 w_fits_gaps: bool = False):
+                 w_fits_gaps: bool = False, memory: int = 1):
         self.stage_ranks, self.m, self.duration = stage_ranks, num_microbatches, duration
         self.timed = timed  # real durations: keep the memory slots later chunks need (see ``owed``)
         self.w_fits_gaps = w_fits_gaps  # a W only where it ends before the next awaited F/B input
         self.num_stages = len(stage_ranks)
         self.stages_of = {r: sorted((s for s, q in enumerate(stage_ranks) if q == r), reverse=True)
                           for r in sorted(set(stage_ranks))}
-        self.cap = self.num_stages  # p ranks x S/p chunks: 1F1B's first-stage peak, in (stage, mb) pairs
+        # rule 1b: p ranks x S/p chunks, 1F1B's first-stage peak in (stage, mb) pairs, times ``memory``
+        self.cap = memory * self.num_stages
+        self.ahead = [memory * (self.num_stages - s) - (memory - 1) for s in range(self.num_stages)]  # rule 1a
         self.end: dict[Action, float] = {}
         self.next_f = [0] * self.num_stages
         self.before_b: list[set[int]] = [set() for _ in stage_ranks]  # F started, B not
@@ -131,7 +147,7 @@ class _ListScheduler:
         held = sum(len(self.before_b[s]) + len(self.before_w[s]) for s in self.stages_of[r])
         for s in self.stages_of[r]:
             mb = self.next_f[s]
-            if mb < self.m and len(self.before_b[s]) < self.num_stages - s and held + self.owed(r, s) < self.cap:
+            if mb < self.m and len(self.before_b[s]) < self.ahead[s] and held + self.owed(r, s) < self.cap:
                 yield F(s, mb), F(s - 1, mb) if s > 0 else None
         for s in self.stages_of[r]:
             for mb in sorted(self.before_b[s]):

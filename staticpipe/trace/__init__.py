@@ -14,7 +14,7 @@ from ..plan import Plan
 from ..schedule import Action, Kind, simulate
 from ..schedule.simulate import PLANNED_KINDS
 
-COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.OPT)
+COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Timeline:
         return max(end for *_, end in self.events)
 
     def busy(self) -> dict[int, float]:
-        """Seconds each rank spent in compute actions (F, B, W, OPT)."""
+        """Seconds each rank spent in compute actions (F, B, W, OPT, and paired FB)."""
         busy = {r: 0.0 for r in range(len(self.plan.ranks))}
         for rank, a, start, end in self.events:
             if a.kind in COMPUTE:

@@ -1,0 +1,109 @@
+"""The memory model of a plan: the bytes each device holds at its peak, predicted before anything runs.
+
+Why it is part of the plan: a schedule, a partition and per-stage recompute are one decision under a
+device's memory cap (``partition``'s planner searches them together), and the plan is where all three meet.
+The rewrite measures each stage from its programs (``rewrite/memory.py``); what is left is arithmetic on
+plain numbers, kept here so that ``print(plan)``, saved plans and the planner read the same figures.
+
+Per stage, at micro-batch size ``b``:
+
+- parameters, optimizer state (what the stage's optimize section keeps: moments, beta powers, the learning
+  rate), and gradients: the per-step ``@MERGED`` accumulator and the per-micro-batch gradient buffer the
+  sections keep and reuse (both the parameters' size);
+- activations: what a forward keeps for its backward (the section's keep list: the values its backward
+  reads, the data and received cut values among them; with recompute only the stage's inputs), ``b`` per
+  batched dimension, times the micro-batches in flight at once under the schedule -- exactly what the
+  runtime counts (``Executor.memory_stats()``'s ``peak_activation_bytes``).
+
+A device's activation peak is not the sum of its stages' peaks when it holds several (interleaved, V
+layouts): their peaks need not coincide. So for each device the model keeps every distinct vector of
+in-flight counts (one per stage of the device) its action list passes through, and the peak is the
+largest of those vectors weighted by the stages' bytes per micro-batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes of one stage; activations per micro-batch as ``per_sample * b + fixed``."""
+
+    stage: int
+    parameter_bytes: int
+    state_bytes: int
+    gradient_bytes: int
+    kept_per_sample: int
+    kept_fixed: int
+    peak_inflight: int  # micro-batches whose activations the stage holds at once under the schedule
+
+    @property
+    def static_bytes(self) -> int:
+        """What the stage holds whatever the micro-batch size: parameters, optimizer state, gradients."""
+        return self.parameter_bytes + self.state_bytes + self.gradient_bytes
+
+    def kept_bytes(self, micro_batch_size: int) -> int:
+        """Activations one micro-batch's forward keeps for its backward."""
+        return self.kept_per_sample * micro_batch_size + self.kept_fixed
+
+    def activation_peak(self, micro_batch_size: int) -> int:
+        return self.kept_bytes(micro_batch_size) * self.peak_inflight
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Predicted peak of one device (rank): its stages' static bytes and its activation peak."""
+
+    rank: int
+    device: str
+    static_bytes: int
+    activation_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.static_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    stages: tuple[StageMemory, ...]
+    ranks: tuple[str, ...]  # rank -> device
+    stage_ranks: tuple[int, ...]  # stage -> rank
+    inflight: Mapping[int, tuple[tuple[int, ...], ...]]  # rank -> in-flight count vectors (its stages, in order)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_ranks) if r == rank]
+
+    def devices(self, micro_batch_size: int) -> list[DeviceMemory]:
+        """Each device's predicted peak at ``micro_batch_size``."""
+        out = []
+        for rank, device in enumerate(self.ranks):
+            stages = [self.stages[s] for s in self.stages_of(rank)]
+            per_mb = [st.kept_bytes(micro_batch_size) for st in stages]
+            peak = max((sum(n * b for n, b in zip(counts, per_mb)) for counts in self.inflight.get(rank, ())),
+                       default=0)
+            out.append(DeviceMemory(rank, device, sum(st.static_bytes for st in stages), peak))
+        return out
+
+    def describe(self, micro_batch_size: int | None) -> list[str]:
+        """Lines for ``print(plan)``: per stage, then per device (the activations need the micro-batch size)."""
+        lines = ["  predicted memory (parameters + optimizer state + gradients, activations kept F -> B x in flight):"]
+        for st in self.stages:
+            kept = (f"{human_bytes(st.kept_bytes(micro_batch_size))}/micro-batch x {st.peak_inflight} = "
+                    f"{human_bytes(st.activation_peak(micro_batch_size))}" if micro_batch_size else
+                    f"{st.kept_per_sample} B/sample (+{st.kept_fixed} B) x {st.peak_inflight}")
+            lines.append(f"    stage {st.stage}: {human_bytes(st.parameter_bytes)} + {human_bytes(st.state_bytes)} + "
+                         f"{human_bytes(st.gradient_bytes)}, activations {kept}")
+        if micro_batch_size:
+            lines += [f"    device {d.device}: {human_bytes(d.total)} at peak ({human_bytes(d.static_bytes)} + {human_bytes(d.activation_bytes)} "
+                      "activations)" for d in self.devices(micro_batch_size)]
+        return lines
+
+
+def human_bytes(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    k = 0
+    while abs(n) >= 1024 and k < len(units) - 1:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} B" if k == 0 else f"{n:.1f} {units[k]}"

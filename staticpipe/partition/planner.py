@@ -1,0 +1,245 @@
+"""``auto_plan``: partition, schedule and per-stage recompute chosen together under per-device memory caps.
+
+Why together: the three trade the same two things. A schedule that holds fewer micro-batches in flight
+(V-Min, 1F1B) or recompute on a stage frees activation memory and costs time; a partition that moves
+layers shifts both. Choosing one at a time misses the fast plan that fits (ZB-V with recompute nowhere
+against 1F1B with recompute everywhere). So the planner profiles once and scores every combination.
+
+How, without running any of them:
+
+- time: the schedule's simulated step (``schedule.simulate``) at each stage's profiled forward and
+  backward time (a recomputed stage pays its forward again in its backward; a split backward is halved
+  into B and W; messages and the optimizer cost nothing); CPU devices share the machine's cores, so
+  their step is at least their summed busy time over the cores;
+- memory: the plan's own memory model (``memory_model.py``), exact to what the runtime holds between a
+  forward and its backward. Building a plan costs a rewrite, so for each partition two are built (no
+  stage recomputed, every stage recomputed); a stage's figures depend only on its own ops and whether it
+  recomputes, so every subset of recomputed stages and every schedule of the layout is priced from those
+  two and the schedule's in-flight counts.
+
+Partitions: per layout (one stage per device; two per device for the interleaved and V schedules), the
+time-balanced cut of ``auto_place`` and, under a cap and with one stage per device, its memory-capped cut.
+The fastest combination whose every device fits its cap wins (ties: fewer recomputed stages, then the
+schedule's registry order); the report lists the runners-up and why each lost.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
+
+from .._paddle import core, framework, paddle
+from ..io import DataLoader
+from ..ir import refuse_pir
+from ..memory_model import DeviceMemory, MemoryModel, StageMemory, human_bytes
+from ..optimizer import PipelineOptimizer
+from ..placement import place_of
+from ..rewrite.memory import inflight_vectors
+from ..schedule import KINDS, Kind, make_schedule, simulate
+from .auto_place import Placement, auto_place
+from .costs import Profile
+from .profile import profile as run_profile
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One combination the planner priced."""
+
+    schedule: str
+    policy: str  # the partition: auto_place's "time" or "memory" cut
+    devices: tuple[str, ...]  # the device of each stage
+    bounds: tuple[int, ...]  # layer index where each stage starts (and the end)
+    recompute: tuple[int, ...]  # stages whose activations are recomputed
+    step_s: float  # predicted seconds per step
+    memory: tuple[DeviceMemory, ...]  # predicted peak per device
+    over: Mapping[str, int]  # device -> bytes above its cap (empty: fits)
+
+    @property
+    def fits(self) -> bool:
+        return not self.over
+
+    def describe(self) -> str:
+        rc = ",".join(map(str, self.recompute)) or "-"
+        peaks = ", ".join(f"{d.device} {human_bytes(d.total)}" for d in self.memory)
+        return f"{self.schedule:<10} {self.policy:<6} recompute {rc:<8} {self.step_s * 1e3:9.2f} ms  peak {peaks}"
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What ``auto_plan`` chose (and applied), what it predicted, and why the others lost."""
+
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]  # every combination priced, fastest first
+    skipped: Mapping[str, str]  # schedule -> why it could not run this program
+    memory_limit: Mapping[str, float | None]
+    micro_batch_size: int
+
+    def why_not(self, candidate: Candidate) -> str:
+        if candidate == self.chosen:
+            return "chosen"
+        if not candidate.fits:
+            return "over the cap: " + ", ".join(f"{d} by {human_bytes(b)}" for d, b in candidate.over.items())
+        slower = candidate.step_s / self.chosen.step_s - 1
+        return f"{slower:+.1%} slower" if slower > 0 else "as fast; more recompute or later in the registry"
+
+    def __str__(self) -> str:
+        caps = ", ".join(f"{d} {'unlimited' if c is None else human_bytes(c)}" for d, c in self.memory_limit.items())
+        best: dict[tuple[str, str], Candidate] = {}
+        for c in self.candidates:  # fastest first: the first of each schedule and cut is its best
+            best.setdefault((c.schedule, c.policy), c)
+        lines = [f"auto_plan: micro-batch {self.micro_batch_size}, caps {caps}; {len(self.candidates)} plans priced",
+                 f"  chosen: {self.chosen.describe()}", "  the best of each other schedule and cut:"]
+        lines += [f"    {c.describe()}  -- {self.why_not(c)}" for c in best.values() if c != self.chosen]
+        lines += [f"  not applicable: {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any], devices: Sequence[str],
+              num_microbatches: int, memory_limit: float | Mapping[str, float] | Sequence[float] | None = None,
+              feed: dict | DataLoader | None = None, profile: Profile | None = None,
+              startup: framework.Program | None = None, schedules: Sequence[str] | None = None,
+              recompute: bool | str = True) -> PlanReport:
+    """Choose a partition of ``program`` (a forward program without guards, as for ``auto_place``) over
+    ``devices``, a schedule and the stages to recompute, for the fastest predicted step whose every device
+    stays under ``memory_limit`` (bytes: one number, one per device, or ``{device: bytes}``; None: no cap),
+    then apply it: tag the ops and ``PipelineOptimizer(optimizer(), ...).minimize(loss)``.
+
+    ``optimizer``: a function making the inner optimizer (each priced plan needs its own). ``feed`` /
+    ``profile``: one micro-batch to profile at, or a profile already taken at the micro-batch size.
+    ``schedules``: the schedule names to consider (default: every registered one). ``recompute``: True
+    prices every subset of recomputed stages, "whole" none or all of them, False none. ``ValueError`` saying by how much the best plan misses, per
+    device, when none fits.
+    """
+    refuse_pir(program, "auto_plan")
+    if recompute not in (True, False, "whole"):
+        raise ValueError(f"recompute must be True (every subset of stages), \"whole\" (none or all) or False; got {recompute!r}")
+    devices = list(devices)
+    caps = _caps(memory_limit, devices)
+    if profile is None:
+        if feed is None:
+            raise ValueError("auto_plan needs measured times: pass feed= (one micro-batch, or a loader) or profile=")
+        profile = run_profile(program, feed, startup=startup, loss=loss)
+    mbs = profile.batch_size
+    candidates, skipped = [], {}
+    for name in schedules or list(KINDS):
+        kind = KINDS[name] if name in KINDS else None
+        if kind is None:
+            raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(KINDS)}")
+        chunks = kind.chunks or 2
+        try:
+            make_schedule(kind.name, len(devices), num_microbatches, chunks)
+        except ValueError as exc:
+            skipped[kind.name] = str(exc)
+            continue
+        layout = [devices[r] for r in kind.layout(len(devices), chunks)]
+        for policy in ("time",) + (("memory",) if any(c is not None for c in caps.values()) and chunks == 1 else ()):
+            built = _built(program, loss, optimizer, startup, profile, layout, policy, kind, num_microbatches,
+                           bool(recompute) and not kind.split_backward, caps)
+            if built is not None:
+                candidates += _priced(kind, built, num_microbatches, mbs, caps, len(devices), recompute == "whole")
+    if not candidates:
+        raise ValueError("auto_plan: no schedule can run this program: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    order = list(KINDS)
+    candidates.sort(key=lambda c: (not c.fits, c.step_s if c.fits else sum(c.over.values()), len(c.recompute),
+                                   order.index(c.schedule)))
+    best = candidates[0]
+    if not best.fits:
+        rc = ", ".join(map(str, best.recompute)) or "none"
+        raise ValueError(f"auto_plan: no plan fits the memory caps; the closest ({best.schedule}, {best.policy} cut, "
+                         f"recompute {rc}) misses " + ", ".join(f"{d} by {b} bytes ({human_bytes(b)})"
+                                                                for d, b in best.over.items()))
+    _apply(program, loss, optimizer, startup, profile, best, num_microbatches, _cut_cap(caps))
+    return PlanReport(best, tuple(candidates), skipped, caps, mbs)
+
+
+@dataclass(frozen=True)
+class _Built:
+    placement: Placement
+    devices: tuple[str, ...]
+    policy: str
+    stages: Mapping[bool, tuple[StageMemory, ...]]  # recomputed or not -> each stage's figures
+    ranks: tuple[str, ...]
+    stage_ranks: tuple[int, ...]
+
+
+def _built(program, loss, optimizer, startup, profile, layout, policy, kind, m, recompute, caps) -> _Built | None:
+    """The partition ``policy`` gives for ``layout``, with its plans built (None: the policy cannot cut it)."""
+    stages: dict[bool, tuple[StageMemory, ...]] = {}
+    placement = None
+    for rc in (False, True) if recompute else (False,):
+        main, start = program.clone(), (startup or paddle.static.Program()).clone()
+        try:
+            placement = auto_place(main, devices=layout, policy=policy, profile=profile, schedule=kind.name,
+                                   num_microbatches=m, memory_limit=_cut_cap(caps))
+        except ValueError:
+            return None
+        with paddle.static.program_guard(main, start), paddle.utils.unique_name.guard():
+            opt = PipelineOptimizer(optimizer(), num_microbatches=m, schedule=kind.name, recompute=rc,
+                                    micro_batch_size=profile.batch_size)
+            opt.minimize(main.global_block().var(loss if isinstance(loss, str) else loss.name))
+        stages[rc] = opt.plan.memory.stages
+        ranks, stage_ranks = opt.plan.ranks, tuple(s.rank for s in opt.plan.stages)
+    return _Built(placement, tuple(layout), policy, stages, ranks, stage_ranks)
+
+
+def _priced(kind, built: _Built, m: int, mbs: int, caps, num_ranks: int, whole: bool) -> list[Candidate]:
+    """Every subset of recomputed stages of ``built`` (``whole``: none or all) under schedule ``kind``."""
+    compute = make_schedule(kind.name, num_ranks, m, kind.chunks or 2)
+    vectors = inflight_vectors(compute, built.stage_ranks)
+    peaks = {s: max(v[built.stage_ranks[:s].count(built.stage_ranks[s])] for v in vectors[built.stage_ranks[s]])
+             for s in range(len(built.devices))}
+    p = len(built.devices)
+    subsets = (itertools.chain.from_iterable(itertools.combinations(range(p), k) for k in range(p + 1))
+               if whole is False else [(), tuple(range(p))])
+    out = []
+    for recomputed in subsets:
+        if recomputed and True not in built.stages:
+            break
+        stages = tuple(replace(built.stages[s in recomputed][s], peak_inflight=peaks[s]) for s in range(p))
+        devices = MemoryModel(stages, built.ranks, built.stage_ranks, vectors).devices(mbs)
+        over = {d.device: d.total - caps[d.device] for d in devices
+                if caps[d.device] is not None and d.total > caps[d.device]}
+        out.append(Candidate(kind.name, built.policy, built.devices, tuple(built.placement.bounds), recomputed,
+                             _step_time(kind, compute, built.placement, recomputed, built.ranks), tuple(devices), over))
+    return out
+
+
+def _step_time(kind, compute, placement: Placement, recomputed: Sequence[int], ranks: Sequence[str]) -> float:
+    share = 0.5 if kind.split_backward else 1.0
+    fwd = [s.forward_s for s in placement.stages]
+    bwd = [s.backward_s + (s.forward_s if s.index in recomputed else 0.0) for s in placement.stages]
+    cost = {Kind.F: fwd, Kind.B: [b * share for b in bwd], Kind.W: [b * (1 - share) for b in bwd]}
+    sim = simulate(compute, lambda a: sum(cost[h.kind][h.stage] for h in a.halves() if h.kind in cost), len(fwd))
+    # CPU devices (and gpu:k stand-ins without CUDA) share this machine's cores: the simulator's devices
+    # are independent, so its step is only a bound when there are no more CPU devices than cores
+    on_cpu = [r for r, device in enumerate(ranks) if isinstance(place_of(device), core.CPUPlace)]
+    return max(sim.total, sum(sim.busy.get(r, 0.0) for r in on_cpu) / (os.cpu_count() or 1))
+
+
+def _apply(program, loss, optimizer, startup, profile, chosen: Candidate, m: int, cap: float | None) -> None:
+    auto_place(program, devices=list(chosen.devices), policy=chosen.policy, profile=profile, schedule=chosen.schedule,
+               num_microbatches=m, memory_limit=cap)
+    with paddle.static.program_guard(program, startup or paddle.static.default_startup_program()):
+        PipelineOptimizer(optimizer(), num_microbatches=m, schedule=chosen.schedule, recompute=list(chosen.recompute),
+                          micro_batch_size=profile.batch_size).minimize(loss)
+
+
+def _cut_cap(caps: Mapping[str, float | None]) -> float | None:
+    """The one limit ``auto_place``'s memory cut takes: the smallest cap."""
+    return min((c for c in caps.values() if c is not None), default=None)
+
+
+def _caps(memory_limit: Any, devices: Sequence[str]) -> dict[str, float | None]:
+    ranks = list(dict.fromkeys(devices))
+    if memory_limit is None or isinstance(memory_limit, (int, float)):
+        return {d: memory_limit for d in ranks}
+    if isinstance(memory_limit, Mapping):
+        unknown = [d for d in memory_limit if d not in ranks]
+        if unknown:
+            raise ValueError(f"memory_limit names {unknown}, which are not among the devices {ranks}")
+        return {d: memory_limit.get(d) for d in ranks}
+    caps = list(memory_limit)
+    if len(caps) != len(ranks):
+        raise ValueError(f"memory_limit has {len(caps)} entries for the {len(ranks)} devices {ranks}")
+    return dict(zip(ranks, caps))

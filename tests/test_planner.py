@@ -1,0 +1,140 @@
+"""``staticpipe.auto_plan`` (``partition/planner.py``): partition x schedule x per-stage recompute under caps.
+
+One profile of a small unguarded MLP serves every test, so the choices are deterministic. What is checked:
+the choice is the fastest predicted plan that fits; the plan applied to the program is the one chosen and
+its own memory model says what the planner priced; a recompute subset priced from the two built plans
+equals the plan built with exactly that subset; the report and the errors say what they must.
+"""
+from __future__ import annotations
+
+import pytest
+
+import staticpipe
+from models import build_mlp
+from staticpipe._paddle import paddle
+from staticpipe.memory_model import human_bytes
+
+DEVICES = ["gpu:0", "gpu:1"]
+M = 8
+pytestmark = pytest.mark.timeout(300)
+
+
+def net():
+    return build_mlp(num_stages=2, guarded=False, in_dim=32, hidden=64, depth=6)
+
+
+def adam():
+    return paddle.optimizer.Adam(1e-3)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    n = net()
+    return staticpipe.profile(n.main, n.random_batch(16), startup=n.startup, loss=n.loss)
+
+
+def plan(profile, **kw):
+    n = net()
+    report = staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M, profile=profile, startup=n.startup, **kw)
+    return n, report
+
+
+def test_unlimited_chooses_the_fastest_and_applies_it(profile):
+    n, report = plan(profile)
+    assert report.chosen.step_s == min(c.step_s for c in report.candidates)
+    assert report.chosen.recompute == ()  # recompute only costs time when memory is free
+    applied = staticpipe.plan_of(n.main)
+    assert applied.schedule == report.chosen.schedule
+    assert tuple(s.device for s in applied.stages) == report.chosen.devices
+    assert tuple(applied.memory.devices(16)) == report.chosen.memory
+    assert {c.schedule for c in report.candidates} == set(staticpipe.schedule.registry.KINDS) - set(report.skipped)
+
+
+def test_a_cap_excludes_the_plans_over_it_and_picks_the_fastest_that_fits(profile):
+    _, free = plan(profile)
+    fastest = free.chosen
+    cap = max(d.total for d in fastest.memory) - 1  # the unlimited choice no longer fits
+    n, report = plan(profile, memory_limit=cap)
+    fitting = [c for c in report.candidates if c.fits]
+    assert fitting and report.chosen == min(fitting, key=lambda c: c.step_s)
+    assert all(d.total <= cap for d in report.chosen.memory)
+    for c in report.candidates:
+        assert c.over == {d.device: d.total - cap for d in c.memory if d.total > cap}
+    loser = next(c for c in report.candidates if not c.fits)
+    assert report.why_not(loser) == "over the cap: " + ", ".join(
+        f"{d} by {human_bytes(b)}" for d, b in loser.over.items())
+    assert staticpipe.plan_of(n.main).schedule == report.chosen.schedule
+
+
+def test_below_every_plan_without_recompute_it_recomputes(profile):
+    _, free = plan(profile, schedules=["1F1B"])
+    plain = [c for c in free.candidates if not c.recompute][0]
+    least = next(c for c in free.candidates if c.recompute == (0, 1)).memory
+    cap = {d.device: max(d.total, l.total) for d, l in zip(plain.memory, least)}
+    cap["gpu:0"] = plain.memory[0].total - 1  # stage 0 must recompute
+    n, report = plan(profile, schedules=["1F1B"], memory_limit=cap)
+    assert 0 in report.chosen.recompute and report.chosen.fits
+    assert staticpipe.plan_of(n.main).stages[0].recompute
+
+
+def test_a_recompute_subset_is_priced_as_the_plan_built_with_it(profile):
+    """The planner builds two plans per partition (no stage / every stage recomputed) and prices each subset
+    from them; building the plan with exactly that subset must give the same figures."""
+    _, report = plan(profile, schedules=["1F1B"])
+    priced = next(c for c in report.candidates if c.recompute == (1,))
+    n = net()
+    staticpipe.auto_place(n.main, devices=list(priced.devices), policy="time", profile=profile)
+    with paddle.static.program_guard(n.main, n.startup):
+        opt = staticpipe.PipelineOptimizer(adam(), num_microbatches=M, recompute=[1], micro_batch_size=16)
+        opt.minimize(n.loss)
+    assert tuple(opt.plan.memory.devices(16)) == priced.memory
+
+
+def test_no_plan_fits_says_by_how_much_per_device(profile):
+    with pytest.raises(ValueError) as err:
+        plan(profile, schedules=["1F1B", "F-then-B"], memory_limit=1000)
+    _, free = plan(profile, schedules=["1F1B", "F-then-B"])
+    closest = min(free.candidates, key=lambda c: sum(d.total for d in c.memory))
+    misses = ", ".join(f"{d.device} by {d.total - 1000} bytes ({human_bytes(d.total - 1000)})" for d in closest.memory)
+    assert str(err.value) == (f"auto_plan: no plan fits the memory caps; the closest ({closest.schedule}, time cut, "
+                              f"recompute 0, 1) misses {misses}")
+
+
+def test_the_report_names_the_choice_and_the_runners_up(profile):
+    _, report = plan(profile, schedules=["1F1B", "ZB-H1", "V-Min"])
+    text = str(report).splitlines()
+    assert text[0] == (f"auto_plan: micro-batch 16, caps gpu:0 unlimited, gpu:1 unlimited; "
+                       f"{len(report.candidates)} plans priced")
+    assert text[1] == f"  chosen: {report.chosen.describe()}"
+    others = {c.schedule for c in report.candidates} - {report.chosen.schedule}
+    assert len([line for line in text[3:] if "slower" in line or "as fast" in line]) == len(others)
+
+
+def test_whole_recompute_prices_none_or_every_stage(profile):
+    _, every = plan(profile, schedules=["1F1B"])
+    _, whole = plan(profile, schedules=["1F1B"], recompute="whole")
+    _, none = plan(profile, schedules=["1F1B"], recompute=False)
+    assert sorted(c.recompute for c in every.candidates) == [(), (0,), (0, 1), (1,)]
+    assert sorted(c.recompute for c in whole.candidates) == [(), (0, 1)]
+    assert [c.recompute for c in none.candidates] == [()]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(recompute="some"), "recompute must be True (every subset of stages), \"whole\" (none or all) or False; "
+                             "got 'some'"),
+    (dict(memory_limit=[1, 2, 3]), "memory_limit has 3 entries for the 2 devices ['gpu:0', 'gpu:1']"),
+    (dict(memory_limit={"gpu:7": 1}), "memory_limit names ['gpu:7'], which are not among the devices ['gpu:0', 'gpu:1']"),
+    (dict(schedules=["2F2B"]), "unknown schedule '2F2B'; known schedules: " + ", ".join(
+        staticpipe.schedule.registry.KINDS)),
+])
+def test_bad_arguments_are_named(profile, kw, message):
+    with pytest.raises(ValueError) as err:
+        plan(profile, **kw)
+    assert str(err.value) == message
+
+
+def test_it_needs_times():
+    n = net()
+    with pytest.raises(ValueError) as err:
+        staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M)
+    assert str(err.value) == "auto_plan needs measured times: pass feed= (one micro-batch, or a loader) or profile="
