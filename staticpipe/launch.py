@@ -109,7 +109,7 @@ class Job:
         while True:
             if self.received:
                 signum = self.received[0]
-                running, killed = self.stop(signum, grace_s)
+                running, killed = self.stop(signum, grace_s, handled=1)
                 stopped = f"stopped ranks {', '.join(map(str, running))}" if running else "no rank was running"
                 late = f" (killed with SIGKILL: {', '.join(map(str, killed))})" if killed else ""
                 print(f"staticpipe.launch: {signal.Signals(signum).name} received; {stopped}{late}",
@@ -161,17 +161,18 @@ class Job:
             return None
         return report if report.get("rank") in range(len(self.procs)) else None
 
-    def stop(self, signum: int, grace_s: float) -> tuple[list[int], list[int]]:
+    def stop(self, signum: int, grace_s: float, handled: int = 0) -> tuple[list[int], list[int]]:
         """Send ``signum`` to every running rank (with SIGCONT: a stopped rank acts on it only when it runs);
-        SIGKILL those still running after ``grace_s``, or at once when another signal comes.
+        SIGKILL those still running after ``grace_s``, or at once when another signal comes: any received
+        beyond the first ``handled`` (the one being forwarded), also one that came before this call -- on a
+        loaded machine a second Ctrl-C can arrive before the loop in ``watch`` has acted on the first.
         (the ranks that were running, those that had to be killed)."""
         running = [rank for rank, p in enumerate(self.procs) if p.poll() is None]
-        signals_seen = len(self.received)
         self.signal_all(signum)
         self.signal_all(signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while (any(self.procs[r].poll() is None for r in running) and time.monotonic() < deadline
-               and len(self.received) == signals_seen):
+               and len(self.received) <= handled):
             time.sleep(0.05)
         killed = [r for r in running if self.procs[r].poll() is None]
         self.signal_all(signal.SIGKILL)

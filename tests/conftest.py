@@ -5,10 +5,19 @@ scripts the tests start; ``test_legacy_ir.py`` checks the default without it."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 os.environ["STATICPIPE_LEGACY_IR"] = "1"
+
+# The Ctrl-C tests send SIGINT to this process and to the processes they start. A suite run as a
+# background job of a non-interactive shell (``cmd &`` in a script, ``nohup``) starts with SIGINT ignored,
+# Python then leaves it ignored, and every process started from here inherits that through exec: a script's
+# Ctrl-C was never delivered (it trained on for half an hour), and a launcher keeps a signal it was started
+# ignoring ignored, by design. Handled here, SIGINT is the default again in every process the tests start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from staticpipe._paddle import paddle  # noqa: E402  (settles FLAGS_enable_pir_api before static mode is used)
 

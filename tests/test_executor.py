@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ import staticpipe
 from models import build_mlp
 from pipeline_util import dense_layers, learning_rate_var, minimize
 from staticpipe._paddle import np, paddle
+from staticpipe.runtime.devices import Devices
 
 pytestmark = pytest.mark.timeout(120)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +187,10 @@ def test_generator_errors_reach_the_caller():
         exe.train_from_dataset(net.main, loader, fetch_list=[net.loss])
 
 
-def test_keyboard_interrupt_stops_training_cleanly(tmp_path):
+@pytest.mark.parametrize("delay_s", [0.0, 3.0], ids=["at-once", "mid-training"])
+def test_keyboard_interrupt_stops_training_cleanly(tmp_path, delay_s):
+    """Ctrl-C at once (the loader starting, the first step handing out its jobs and starting the stage
+    threads) or in the middle of training; the process is killed if it does not stop."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
@@ -199,18 +204,86 @@ def test_keyboard_interrupt_stops_training_cleanly(tmp_path):
         exe = staticpipe.Executor(); exe.run(net.startup)
         loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
         loader.set_sample_generator(net.sample_reader(10**7), batch_size=64)
-        print("training", flush=True)
         try:
+            print("training", flush=True)
             exe.train_from_dataset(net.main, loader, fetch_list=[net.loss], print_period=10**6)
         except KeyboardInterrupt:
             print("interrupted cleanly", flush=True)
             exe.close()
             sys.exit(3)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    assert proc.stdout.readline().strip() == "training"
-    time.sleep(3)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 3 and "interrupted cleanly" in out
+    try:
+        assert proc.stdout.readline().strip() == "training"
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 3 and "interrupted cleanly" in out, err[-3000:]
+    finally:
+        if proc.poll() is None:  # hung: no process outlives its test
+            proc.kill()
+            proc.communicate()
+
+
+def finishes(call, timeout_s=30.0):
+    """``call()`` on a helper thread: its result, or the exception it raised; a failure, not a hang, if it
+    has not returned within ``timeout_s``."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # noqa: BLE001 -- the test looks at it
+            outcome["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"still running after {timeout_s} s"
+    return outcome
+
+
+def stage_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("staticpipe-gpu") and t.is_alive()]
+
+
+@pytest.mark.parametrize("where", ["starting a stage thread", "handing out a job", "before the calling rank runs"])
+def test_an_interrupt_anywhere_in_a_step_stops_every_job_it_handed_out(monkeypatch, where):
+    """Ctrl-C raises ``KeyboardInterrupt`` wherever the main thread is, also between handing a stage's job
+    to its worker thread and the code that aborts the step: right after the first step starts a stage
+    thread (the thread pool waited there for the new thread to run, seconds on a loaded machine), right
+    after a job is queued, or as the calling thread's own rank begins. Each is injected here at that exact
+    point. The step must raise it with no job left running (one left waited in ``recv`` for ever, took the
+    next step's messages, and kept ``close()`` and interpreter exit waiting); the next step trains and
+    ``close()`` ends every stage thread."""
+    others = set(stage_threads())  # of executors of earlier tests, not closed
+    net, exe = pipelined_mlp()
+    batch = net.random_batch(16)
+    if where == "starting a stage thread":  # the first step starts the thread
+        start = threading.Thread.start
+
+        def interrupted_start(thread):
+            start(thread)
+            if thread.name.startswith("staticpipe-gpu"):
+                raise KeyboardInterrupt
+        monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    else:
+        finishes(lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss]))
+        name = "submit" if where == "handing out a job" else "run_here"
+        original = getattr(Devices, name)
+
+        def interrupted(self, *args):
+            if name == "submit":
+                original(self, *args)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(Devices, name, interrupted)
+    assert isinstance(finishes(lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])).get("error"),
+                      KeyboardInterrupt)
+    monkeypatch.undo()
+    (loss,) = finishes(lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss]))["result"]
+    assert np.isfinite(loss)
+    finishes(exe.close)
+    deadline = time.monotonic() + 10
+    while set(stage_threads()) - others and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(stage_threads()) - others == set()

@@ -173,14 +173,40 @@ def test_ctrl_z_suspends_the_ranks_with_the_launcher(job):
 
 
 def test_a_second_signal_kills_the_ranks_at_once(job):
-    """Ranks that ignore SIGTERM would get ``GRACE_S``; another signal ends the wait."""
-    j = job("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SLEEP)
+    """Ranks that ignore SIGTERM would get ``GRACE_S``; another signal ends the wait. The second is sent
+    once both ranks have had the first (they note it in ``OUT/term<rank>``): two signals that reach a
+    process before it runs are delivered lowest number first, SIGINT before SIGTERM, on a loaded machine
+    even when sent half a second apart."""
+    j = job("import os, signal\nsignal.signal(signal.SIGTERM, lambda *_: open(os.path.join(os.environ['OUT'], "
+            "'term' + os.environ['PADDLE_TRAINER_ID']), 'w').close())\n" + SLEEP)
     j.wait_for("pid0", "pid1")
     j.launcher.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    j.wait_for("term0", "term1")
     j.launcher.send_signal(signal.SIGINT)
     assert j.finish(timeout_s=5)[:2] == (
         143, "staticpipe.launch: SIGTERM received; stopped ranks 0, 1 (killed with SIGKILL: 0, 1)")
+
+
+def test_a_second_signal_that_came_before_the_launcher_acted_on_the_first_kills_at_once(tmp_path, capsys):
+    """On a loaded machine both signals can be in before the launcher's loop acts on the first: any signal
+    after the one it forwards ends the grace, also one that came before the stop began."""
+    job = launch.Job(str(tmp_path))
+    ignoring = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    job.procs = [subprocess.Popen([sys.executable, "-c", ignoring], stdout=subprocess.PIPE, start_new_session=True)
+                 for _ in range(2)]
+    try:
+        for p in job.procs:
+            p.stdout.readline()  # SIGTERM is ignored from here on
+        job.received = [signal.SIGTERM, signal.SIGINT]
+        start = time.monotonic()
+        assert job.watch(poll_s=0.05, wait_origin_s=5.0, grace_s=30.0) == 143
+        assert time.monotonic() - start < 10
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            "staticpipe.launch: SIGTERM received; stopped ranks 0, 1 (killed with SIGKILL: 0, 1)")
+    finally:
+        for p in job.procs:
+            p.kill()
+            p.communicate()
 
 
 def test_a_killed_launcher_takes_its_ranks_along(job):

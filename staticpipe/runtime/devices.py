@@ -10,6 +10,9 @@ other ranks through a ``DistributedChannel`` per stage layout.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
+import threading
+import weakref
 from typing import Any, Callable
 
 from .._paddle import core, paddle
@@ -34,7 +37,7 @@ class Devices:
         self.threads_per_stage = threads_per_stage
         self.device_map = device_map(mapping)
         self.workers: dict[str, DeviceWorker] = {}
-        self._threads: dict[str, cf.ThreadPoolExecutor] = {}
+        self._threads: dict[str, StageThread] = {}
         self._in_process: Channel = InProcessChannel()
         self._channels: dict[tuple, Channel] = {}
         self.world = launched_world()  # (rank, size) when started by a multi-process launcher
@@ -52,17 +55,18 @@ class Devices:
         if w is None:
             place = self.place_of(device)
             w = self.workers[device] = DeviceWorker(device, place, core.Scope(), generic_place(place))
-            budget = self.threads_per_stage
-            if isinstance(budget, dict):
-                budget = budget.get(device, 1)
-            self._threads[device] = cf.ThreadPoolExecutor(
-                1, thread_name_prefix=f"staticpipe-{device}", initializer=_init_worker_thread, initargs=(budget,))
         return w
 
-    def submit(self, device: str, fn: Callable[..., Any], *args: Any) -> cf.Future:
-        """Run ``fn(*args)`` on ``device``'s worker thread."""
-        self.worker(device)
-        return self._threads[device].submit(fn, *args)
+    def submit(self, device: str, future: cf.Future, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on ``device``'s worker thread, its outcome set on ``future``. The caller makes
+        the future and keeps it before the hand-off: an interrupt anywhere in here leaves it a future that
+        is either cancellable (not started, maybe never queued) or running (``StepRunner`` relies on it)."""
+        thread = self._threads.get(device)
+        if thread is None:
+            budget = self.threads_per_stage
+            thread = self._threads[device] = StageThread(
+                f"staticpipe-{device}", budget.get(device, 1) if isinstance(budget, dict) else budget)
+        thread.submit(future, fn, args)
 
     def run_here(self, device: str, job: Any) -> Any:
         """Run ``device``'s worker's step on the calling thread, with the device's intra-op thread budget
@@ -95,13 +99,58 @@ class Devices:
         return channel
 
     def close(self) -> None:
-        for pool in self._threads.values():
-            pool.shutdown(wait=True)
+        for thread in self._threads.values():
+            thread.stop()
         self._threads.clear()
         self.workers.clear()
 
 
-def _init_worker_thread(threads: int) -> None:
-    """Paddle's static/dygraph mode is thread-local: a new thread must enter static mode itself."""
-    paddle.enable_static()
-    core.set_num_threads(threads)
+class StageThread:
+    """A device's worker thread: runs the calls handed to it one at a time, in order.
+
+    Why not ``concurrent.futures.ThreadPoolExecutor``: it starts its thread inside ``submit``, after
+    queueing the call, and waits there until the new thread runs -- seconds on a loaded machine. A Ctrl-C
+    in that wait escaped ``submit`` with the call queued and its future never returned, so nothing
+    stopped the call (a stage waiting in ``recv`` for a step that had ended), and with the started thread
+    unknown to the pool, so ``Executor.close()`` joined nothing while interpreter exit joined that thread
+    for ever (not a daemon). Here the thread starts before anything is queued, is a daemon, and ends when
+    its object goes (an interrupt between its start and the caller keeping it leaves no thread behind);
+    the caller makes each call's future and keeps it before the hand-off.
+    """
+
+    def __init__(self, name: str, intra_op_threads: int):
+        calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls = calls
+        self._end = weakref.finalize(self, calls.put, None)
+        self._thread = threading.Thread(target=_serve, args=(calls, intra_op_threads), name=name, daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:  # interrupted: if it started after all, it ends at once
+            self._end()
+            raise
+
+    def submit(self, future: cf.Future, fn: Callable[..., Any], args: tuple) -> None:
+        self._calls.put((future, fn, args))
+
+    def stop(self) -> None:
+        """End the thread once the calls queued before have run."""
+        self._end()
+        self._thread.join()
+
+
+def _serve(calls: queue.SimpleQueue, intra_op_threads: int) -> None:
+    """A ``StageThread``'s loop (a function, not a method: the thread must not keep its object alive)."""
+    ready = False
+    while (call := calls.get()) is not None:
+        future, fn, args = call
+        del call
+        if future.set_running_or_notify_cancel():  # else cancelled by a step that was interrupted
+            try:
+                if not ready:  # Paddle's static/dygraph mode is thread-local: a new thread enters it itself
+                    paddle.enable_static()
+                    core.set_num_threads(intra_op_threads)
+                    ready = True
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 -- the step raises it
+                future.set_exception(exc)
+        del future, fn, args  # a finished step's data is not kept until the next one

@@ -144,10 +144,13 @@ class StepRunner:
         jobs = [(plan.ranks[rank], StepJob(plan, program, feeds, fetch, channel, self._places[plan],
                                            micro_batch_size, shapes, record)) for rank, program in programs.items()]
         here = jobs.pop(0) if self.devices.world is None else None
-        futures = [self.devices.submit(device, self.devices.worker(device).run_step, job) for device, job in jobs]
         flags = paddle.get_flags(NAN_INF_FLAG)
-        paddle.set_flags({NAN_INF_FLAG: self.check_finite})  # process-wide: set for this step, then put back
-        try:
+        futures: list[cf.Future] = []
+        try:  # from the first hand-off on: an interrupt anywhere must stop the jobs handed out (_settle)
+            for device, job in jobs:
+                futures.append(future := cf.Future())  # ours before the hand-off, which an interrupt may cut short
+                self.devices.submit(device, future, self.devices.worker(device).run_step, job)
+            paddle.set_flags({NAN_INF_FLAG: self.check_finite})  # process-wide: set for this step, then put back
             results, failure = [], None
             if here is not None:
                 try:
@@ -157,6 +160,7 @@ class StepRunner:
             results += _wait(futures, channel, failure)
             channel.flush()  # a step's messages are all received within the step
         except BaseException as exc:
+            _settle(futures, channel)  # no job of this step runs on, nor touches the stages, after it
             if self.devices.watchdog is not None:  # the other processes stop instead of waiting for this one
                 self.devices.watchdog.step_failed(exc, ", ".join(sorted({s.device for s in local})))
             # micro-batches of the failed step may have reached the gradient buffers: empty them so the
@@ -242,17 +246,31 @@ def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
     return where, persist
 
 
-def _wait(futures: list, channel, failure: BaseException | None) -> list[StepResult]:
+def _wait(futures: list[cf.Future], channel, failure: BaseException | None) -> list[StepResult]:
     """Wait for every worker (a failing one has aborted the channel, so the others stop at their next
     receive) and raise the failed stage's error, not the others' ``PipelineAborted``; ``failure``: the
-    calling thread's own rank's."""
-    try:
-        cf.wait(futures)
-    except BaseException:  # KeyboardInterrupt: stop every worker at its next receive, then re-raise
-        channel.abort("interrupted")
-        cf.wait(futures)
-        raise
+    calling thread's own rank's. An interrupt while waiting is the caller's to handle (``_settle``).
+
+    The channel is aborted here too on ``failure``: the rank's worker aborts it itself, but not an
+    interrupt that comes before its ``try`` (the other ranks would wait for its messages for ever).
+    ``Future.exception()`` waits, not ``cf.wait``: an interrupt inside ``cf.wait`` can leave a future's
+    lock held by this thread (its ``_AcquireFutures.__enter__`` takes them in a Python loop), after which
+    the worker can never set the future's result."""
+    if failure is not None:
+        channel.abort(str(failure) if isinstance(failure, StageError) else "interrupted")
     errors = [e for e in [failure] + [f.exception() for f in futures] if e is not None]
     if errors:
         raise next((e for e in errors if not isinstance(e, PipelineAborted)), errors[0])
     return [f.result() for f in futures]
+
+
+def _settle(futures: list[cf.Future], channel) -> None:
+    """After a step failed or was interrupted at any point, also half way through handing out its jobs:
+    abort the channel (a running job stops at its next receive), cancel the jobs not started (one that an
+    interrupt kept from being queued at all among them) and wait for the running ones. Without it a job
+    handed out before an interrupt ran on, waiting in ``recv`` for messages of a step that had ended: it
+    took the next step's messages, or kept ``Executor.close()`` and interpreter exit waiting for ever."""
+    channel.abort("interrupted")
+    for future in futures:
+        if not future.cancel():  # running or done: wait until it is done
+            future.exception()
