@@ -37,6 +37,7 @@ from ..optimizer import PipelineOptimizer
 from ..placement import place_of
 from ..rewrite.memory import inflight_vectors
 from ..schedule import KINDS, Kind, make_schedule, simulate
+from ..schedule.simulate import peak_inflight
 from .auto_place import Placement, auto_place
 from .costs import Profile
 from .profile import profile as run_profile
@@ -187,16 +188,15 @@ def _priced(kind, built: _Built, m: int, mbs: int, caps, num_ranks: int, whole: 
     """Every subset of recomputed stages of ``built`` (``whole``: none or all) under schedule ``kind``."""
     compute = make_schedule(kind.name, num_ranks, m, kind.chunks or 2)
     vectors = inflight_vectors(compute, built.stage_ranks)
-    peaks = {s: max(v[built.stage_ranks[:s].count(built.stage_ranks[s])] for v in vectors[built.stage_ranks[s]])
-             for s in range(len(built.devices))}
+    peaks = peak_inflight(compute)
     p = len(built.devices)
     subsets = (itertools.chain.from_iterable(itertools.combinations(range(p), k) for k in range(p + 1))
-               if whole is False else [(), tuple(range(p))])
+               if not whole else [(), tuple(range(p))])
     out = []
     for recomputed in subsets:
         if recomputed and True not in built.stages:
             break
-        stages = tuple(replace(built.stages[s in recomputed][s], peak_inflight=peaks[s]) for s in range(p))
+        stages = tuple(replace(built.stages[s in recomputed][s], peak_inflight=peaks.get(s, 0)) for s in range(p))
         devices = MemoryModel(stages, built.ranks, built.stage_ranks, vectors).devices(mbs)
         over = {d.device: d.total - caps[d.device] for d in devices
                 if caps[d.device] is not None and d.total > caps[d.device]}
