@@ -104,7 +104,7 @@ def test_the_report_names_the_choice_and_the_runners_up(profile):
     _, report = plan(profile, schedules=["1F1B", "ZB-H1", "V-Min"])
     text = str(report).splitlines()
     assert text[0] == (f"auto_plan: micro-batch 16, caps gpu:0 unlimited, gpu:1 unlimited; "
-                       f"{len(report.candidates)} plans priced")
+                       f"{len(report.candidates)} plans priced; times from the op profile alone (no feed given)")
     assert text[1] == f"  chosen: {report.chosen.describe()}"
     others = {c.schedule for c in report.candidates} - {report.chosen.schedule}
     assert len([line for line in text[3:] if "slower" in line or "as fast" in line]) == len(others)
@@ -126,6 +126,7 @@ def test_whole_recompute_prices_none_or_every_stage(profile):
     (dict(memory_limit={"gpu:7": 1}), "memory_limit names ['gpu:7'], which are not among the devices ['gpu:0', 'gpu:1']"),
     (dict(schedules=["2F2B"]), "unknown schedule '2F2B'; known schedules: " + ", ".join(
         staticpipe.schedule.registry.KINDS)),
+    (dict(time_steps=-1), "time_steps must be an integer >= 0, got -1"),
 ])
 def test_bad_arguments_are_named(profile, kw, message):
     with pytest.raises(ValueError) as err:
@@ -138,3 +139,26 @@ def test_it_needs_times():
     with pytest.raises(ValueError) as err:
         staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M)
     assert str(err.value) == "auto_plan needs measured times: pass feed= (one micro-batch, or a loader) or profile="
+
+
+def test_given_a_micro_batch_it_times_every_built_plan_without_touching_the_callers_state(profile):
+    n = net()
+    report = staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M, feed=n.random_batch(16), profile=profile,
+                                  startup=n.startup, schedules=["1F1B", "ZB-H1"], recompute="whole", time_steps=1)
+    assert report.timed_plans == 3  # 1F1B with no stage and every stage recomputed; ZB-H1 (split backward): none
+    assert 0 < report.efficiency <= 2
+    assert str(report).splitlines()[0].endswith(
+        f"plans priced; times from 3 timed plans, simulated / measured step {report.efficiency:.2f}")
+    assert report.chosen.step_s == min(c.step_s for c in report.candidates)
+    assert staticpipe.plan_of(n.main).schedule == report.chosen.schedule
+    scope = paddle.static.global_scope()
+    assert all(scope.find_var(p.name) is None for p in n.main.all_parameters())
+
+
+def test_a_feed_of_another_size_than_the_profile_is_refused(profile):
+    n = net()
+    batch = n.random_batch(8)
+    with pytest.raises(ValueError) as err:
+        staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M, feed=batch, profile=profile, startup=n.startup)
+    assert str(err.value) == (f"feed has batches of {dict.fromkeys(batch, 8)}, but the profile was taken at "
+                              "micro-batch 16: give one micro-batch of the size the profile was taken at")

@@ -279,6 +279,25 @@ def test_cost_aware_plan_trains_like_one_device():
     assert " ".join(map(str, compute[1])) == "1F0 1F1 1B0 1B1 1W0 1W1"  # the cost-aware order, not the unit one
 
 
+def test_timeline_action_costs_are_each_actions_cpu_seconds():
+    """On CPU devices an action's cost alone is its worker thread's CPU time: never more than its wall
+    time, and a receive's wait for its message is not in it."""
+    net = build_mlp(num_stages=2)
+    minimize(net, momentum(), dict(num_microbatches=4))
+    exe = staticpipe.Executor(trace=True)
+    exe.run(net.startup)
+    exe.run(net.main, feed=net.random_batch(16))
+    timeline = exe.timeline(net.main)
+    exe.close()
+    costs = timeline.action_costs()
+    plan = staticpipe.plan_of(net.main)
+    assert set(costs) == {a for acts in plan.actions.values() for a in acts}
+    for _, a, start, end in timeline.events:
+        assert 0 <= costs[a] <= end - start + 1e-4, a
+        if a.kind in (Kind.F, Kind.B):
+            assert costs[a] > 0, a
+
+
 def test_timeline_stage_costs_plan_the_next_build():
     net = build_mlp(num_stages=2)
     minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-H1"))

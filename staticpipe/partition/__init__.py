@@ -11,6 +11,7 @@ contiguous stages by a policy (uniform, params, time, memory) and writes each op
     policies.py    where to cut: one exact dynamic program, four objectives; pure numpy
     auto_place.py  constraints (guards, split points), the cut, the op tags and the per-stage report
     planner.py     auto_plan: partition x schedule x per-stage recompute under per-device memory caps
+    plan_timing.py what the plans the planner builds cost when run (a few traced steps each)
 """
 from .auto_place import POLICIES, Placement, StageReport, auto_place
 from .layers import Layer, group_layers

@@ -5,17 +5,20 @@ Why together: the three trade the same two things. A schedule that holds fewer m
 layers shifts both. Choosing one at a time misses the fast plan that fits (ZB-V with recompute nowhere
 against 1F1B with recompute everywhere). So the planner profiles once and scores every combination.
 
-How, without running any of them:
+How, running at most the plans it builds:
 
-- time: the schedule's simulated step (``schedule.simulate``) at each stage's profiled forward and
-  backward time (a recomputed stage pays its forward again in its backward; a split backward is halved
-  into B and W; messages and the optimizer cost nothing); CPU devices share the machine's cores, so
-  their step is at least their summed busy time over the cores;
+- time: the plan's simulated step (``schedule.simulate``, its lowered actions with their messages, the
+  first OPT of each rank waiting for all). Given a micro-batch, each built plan is run for a few traced
+  steps and every action priced at what it cost alone (``plan_timing.py``); otherwise at the stage's
+  profiled op times. CPU devices are threads sharing this machine's cores, simulated so
+  (``schedule/shared_cores.py``). What the simulator still leaves out (thread hand-offs, the
+  scheduler's switches) is one figure, simulated / measured step of the timed plans (median), which
+  every prediction is divided by;
 - memory: the plan's own memory model (``memory_model.py``), exact to what the runtime holds between a
   forward and its backward. Building a plan costs a rewrite, so for each partition two are built (no
-  stage recomputed, every stage recomputed); a stage's figures depend only on its own ops and whether it
-  recomputes, so every subset of recomputed stages and every schedule of the layout is priced from those
-  two and the schedule's in-flight counts.
+  stage recomputed, every stage recomputed); a stage's figures (bytes and action times) depend only on its
+  own ops and whether it recomputes, so every subset of recomputed stages is priced from those two and
+  the schedule's in-flight counts.
 
 Partitions: per layout (one stage per device; two per device for the interleaved and V schedules), the
 time-balanced cut of ``auto_place`` and, under a cap and with one stage per device, its memory-capped cut.
@@ -26,20 +29,24 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass, replace
+import statistics
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from .._paddle import core, framework, paddle
+from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
 from ..ir import refuse_pir
 from ..memory_model import DeviceMemory, MemoryModel, StageMemory, human_bytes
 from ..optimizer import PipelineOptimizer
 from ..placement import place_of
+from ..plan import Plan
 from ..rewrite.memory import inflight_vectors
-from ..schedule import KINDS, Kind, make_schedule, simulate
+from ..schedule import KINDS, Action, Kind, Schedule, make_schedule, simulate
 from ..schedule.simulate import peak_inflight
 from .auto_place import Placement, auto_place
 from .costs import Profile
+from .plan_timing import time_plans
+from .profile import first_batch
 from .profile import profile as run_profile
 
 
@@ -75,6 +82,8 @@ class PlanReport:
     skipped: Mapping[str, str]  # schedule -> why it could not run this program
     memory_limit: Mapping[str, float | None]
     micro_batch_size: int
+    efficiency: float | None  # simulated / measured step of the timed plans (None: times from the op profile)
+    timed_plans: int  # plans built and run to time their actions
 
     def why_not(self, candidate: Candidate) -> str:
         if candidate == self.chosen:
@@ -89,7 +98,10 @@ class PlanReport:
         best: dict[tuple[str, str], Candidate] = {}
         for c in self.candidates:  # fastest first: the first of each schedule and cut is its best
             best.setdefault((c.schedule, c.policy), c)
-        lines = [f"auto_plan: micro-batch {self.micro_batch_size}, caps {caps}; {len(self.candidates)} plans priced",
+        timing = ("times from the op profile alone (no feed given)" if self.efficiency is None else
+                  f"times from {self.timed_plans} timed plans, simulated / measured step {self.efficiency:.2f}")
+        lines = [f"auto_plan: micro-batch {self.micro_batch_size}, caps {caps}; {len(self.candidates)} plans priced; "
+                 + timing,
                  f"  chosen: {self.chosen.describe()}", "  the best of each other schedule and cut:"]
         lines += [f"    {c.describe()}  -- {self.why_not(c)}" for c in best.values() if c != self.chosen]
         lines += [f"  not applicable: {name}: {why}" for name, why in self.skipped.items()]
@@ -100,29 +112,39 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
               num_microbatches: int, memory_limit: float | Mapping[str, float] | Sequence[float] | None = None,
               feed: dict | DataLoader | None = None, profile: Profile | None = None,
               startup: framework.Program | None = None, schedules: Sequence[str] | None = None,
-              recompute: bool | str = True) -> PlanReport:
+              recompute: bool | str = True, time_steps: int = 3) -> PlanReport:
     """Choose a partition of ``program`` (a forward program without guards, as for ``auto_place``) over
     ``devices``, a schedule and the stages to recompute, for the fastest predicted step whose every device
     stays under ``memory_limit`` (bytes: one number, one per device, or ``{device: bytes}``; None: no cap),
     then apply it: tag the ops and ``PipelineOptimizer(optimizer(), ...).minimize(loss)``.
 
-    ``optimizer``: a function making the inner optimizer (each priced plan needs its own). ``feed`` /
-    ``profile``: one micro-batch to profile at, or a profile already taken at the micro-batch size.
+    ``optimizer``: a function making the inner optimizer (each priced plan needs its own). ``feed``: one
+    micro-batch (or a loader, whose first batch is used): the op profile is taken on it (unless
+    ``profile`` is given, taken at the same micro-batch size) and every built plan is timed on it for
+    ``time_steps`` traced steps (0: price time from the op profile alone, as without ``feed``).
     ``schedules``: the schedule names to consider (default: every registered one). ``recompute``: True
-    prices every subset of recomputed stages, "whole" none or all of them, False none. ``ValueError`` saying by how much the best plan misses, per
-    device, when none fits.
+    prices every subset of recomputed stages, "whole" none or all of them, False none. ``ValueError``
+    saying by how much the best plan misses, per device, when none fits.
     """
     refuse_pir(program, "auto_plan")
     if recompute not in (True, False, "whole"):
         raise ValueError(f"recompute must be True (every subset of stages), \"whole\" (none or all) or False; got {recompute!r}")
+    if not isinstance(time_steps, int) or isinstance(time_steps, bool) or time_steps < 0:
+        raise ValueError(f"time_steps must be an integer >= 0, got {time_steps!r}")
     devices = list(devices)
     caps = _caps(memory_limit, devices)
+    batch = first_batch(feed) if feed is not None else None
     if profile is None:
-        if feed is None:
+        if batch is None:
             raise ValueError("auto_plan needs measured times: pass feed= (one micro-batch, or a loader) or profile=")
-        profile = run_profile(program, feed, startup=startup, loss=loss)
+        profile = run_profile(program, batch, startup=startup, loss=loss)
     mbs = profile.batch_size
-    candidates, skipped = [], {}
+    if batch is not None:
+        rows = {name: len(value) for name, value in batch.items() if np.ndim(value)}
+        if any(n != mbs for n in rows.values()):
+            raise ValueError(f"feed has batches of {rows}, but the profile was taken at micro-batch {mbs}: give "
+                             "one micro-batch of the size the profile was taken at")
+    builds, skipped = [], {}
     for name in schedules or list(KINDS):
         kind = KINDS[name] if name in KINDS else None
         if kind is None:
@@ -138,9 +160,14 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
             built = _built(program, loss, optimizer, startup, profile, layout, policy, kind, num_microbatches,
                            bool(recompute) and not kind.split_backward, caps)
             if built is not None:
-                candidates += _priced(kind, built, num_microbatches, mbs, caps, len(devices), recompute == "whole")
-    if not candidates:
+                builds.append((kind, built))
+    if not builds:
         raise ValueError("auto_plan: no schedule can run this program: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    if batch is not None and time_steps:
+        builds = _timed(builds, batch, time_steps)
+    efficiency = _efficiency([b for _, b in builds])
+    candidates = [c for kind, b in builds
+                  for c in _priced(kind, b, num_microbatches, mbs, caps, len(devices), recompute == "whole", efficiency)]
     order = list(KINDS)
     candidates.sort(key=lambda c: (not c.fits, c.step_s if c.fits else sum(c.over.values()), len(c.recompute),
                                    order.index(c.schedule)))
@@ -151,7 +178,8 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
                          f"recompute {rc}) misses " + ", ".join(f"{d} by {b} bytes ({human_bytes(b)})"
                                                                 for d, b in best.over.items()))
     _apply(program, loss, optimizer, startup, profile, best, num_microbatches, _cut_cap(caps))
-    return PlanReport(best, tuple(candidates), skipped, caps, mbs)
+    timed = sum(len(b.measured) for _, b in builds)
+    return PlanReport(best, tuple(candidates), skipped, caps, mbs, efficiency, timed)
 
 
 @dataclass(frozen=True)
@@ -162,14 +190,22 @@ class _Built:
     stages: Mapping[bool, tuple[StageMemory, ...]]  # recomputed or not -> each stage's figures
     ranks: tuple[str, ...]
     stage_ranks: tuple[int, ...]
+    actions: Schedule  # the plan's lowered actions (with its messages)
+    costs: Mapping[bool, Mapping[Action, float]]  # recomputed or not -> what each action costs
+    programs: Mapping[bool, tuple[framework.Program, framework.Program, Plan]]  # recomputed or not -> built plan
+    measured: Mapping[bool, float] = field(default_factory=dict)  # recomputed or not -> measured step (if timed)
 
 
 def _built(program, loss, optimizer, startup, profile, layout, policy, kind, m, recompute, caps) -> _Built | None:
-    """The partition ``policy`` gives for ``layout``, with its plans built (None: the policy cannot cut it)."""
+    """The partition ``policy`` gives for ``layout``, with its plans built and their actions priced from
+    the op profile (None: the policy cannot cut it)."""
     stages: dict[bool, tuple[StageMemory, ...]] = {}
+    costs: dict[bool, Mapping[Action, float]] = {}
+    programs = {}
     placement = None
     for rc in (False, True) if recompute else (False,):
-        main, start = program.clone(), (startup or paddle.static.Program()).clone()
+        main = program.clone()
+        start = (startup or paddle.static.default_startup_program()).clone()
         try:
             placement = auto_place(main, devices=layout, policy=policy, profile=profile, schedule=kind.name,
                                    num_microbatches=m, memory_limit=_cut_cap(caps))
@@ -179,12 +215,37 @@ def _built(program, loss, optimizer, startup, profile, layout, policy, kind, m, 
             opt = PipelineOptimizer(optimizer(), num_microbatches=m, schedule=kind.name, recompute=rc,
                                     micro_batch_size=profile.batch_size)
             opt.minimize(main.global_block().var(loss if isinstance(loss, str) else loss.name))
-        stages[rc] = opt.plan.memory.stages
-        ranks, stage_ranks = opt.plan.ranks, tuple(s.rank for s in opt.plan.stages)
-    return _Built(placement, tuple(layout), policy, stages, ranks, stage_ranks)
+        plan = opt.plan
+        stages[rc] = plan.memory.stages
+        costs[rc] = _profiled_costs(kind, placement, plan.actions, rc)
+        programs[rc] = (main, start, plan)
+    return _Built(placement, tuple(layout), policy, stages, plan.ranks, tuple(s.rank for s in plan.stages),
+                  plan.actions, costs, programs)
 
 
-def _priced(kind, built: _Built, m: int, mbs: int, caps, num_ranks: int, whole: bool) -> list[Candidate]:
+def _timed(builds: list, batch: dict, steps: int) -> list:
+    """``builds`` with every built plan's actions priced at their timed costs (``plan_timing.py``)."""
+    keys = [(i, rc) for i, (_, b) in enumerate(builds) for rc in b.programs]
+    timings = dict(zip(keys, time_plans([builds[i][1].programs[rc] for i, rc in keys], batch, steps)))
+    return [(kind, replace(b, costs={rc: timings[i, rc].costs for rc in b.programs},
+                           measured={rc: timings[i, rc].step_s for rc in b.programs}))
+            for i, (kind, b) in enumerate(builds)]
+
+
+def _profiled_costs(kind, placement: Placement, actions: Schedule, recomputed: bool) -> dict[Action, float]:
+    """Each action at its stage's profiled times (a recomputed stage pays its forward again in its
+    backward; a split backward is halved into B and W; messages and the optimizer cost nothing)."""
+    share = 0.5 if kind.split_backward else 1.0
+
+    def one(h: Action) -> float:
+        s = placement.stages[h.stage]
+        backward = s.backward_s + (s.forward_s if recomputed else 0.0)
+        return {Kind.F: s.forward_s, Kind.B: backward * share, Kind.W: backward * (1 - share)}.get(h.kind, 0.0)
+    return {a: sum(map(one, a.halves())) for acts in actions.values() for a in acts}
+
+
+def _priced(kind, built: _Built, m: int, mbs: int, caps, num_ranks: int, whole: bool,
+            efficiency: float | None) -> list[Candidate]:
     """Every subset of recomputed stages of ``built`` (``whole``: none or all) under schedule ``kind``."""
     compute = make_schedule(kind.name, num_ranks, m, kind.chunks or 2)
     vectors = inflight_vectors(compute, built.stage_ranks)
@@ -200,21 +261,32 @@ def _priced(kind, built: _Built, m: int, mbs: int, caps, num_ranks: int, whole: 
         devices = MemoryModel(stages, built.ranks, built.stage_ranks, vectors).devices(mbs)
         over = {d.device: d.total - caps[d.device] for d in devices
                 if caps[d.device] is not None and d.total > caps[d.device]}
+        step = _simulated_step(built, recomputed) / (efficiency or 1.0)
         out.append(Candidate(kind.name, built.policy, built.devices, tuple(built.placement.bounds), recomputed,
-                             _step_time(kind, compute, built.placement, recomputed, built.ranks), tuple(devices), over))
+                             step, tuple(devices), over))
     return out
 
 
-def _step_time(kind, compute, placement: Placement, recomputed: Sequence[int], ranks: Sequence[str]) -> float:
-    share = 0.5 if kind.split_backward else 1.0
-    fwd = [s.forward_s for s in placement.stages]
-    bwd = [s.backward_s + (s.forward_s if s.index in recomputed else 0.0) for s in placement.stages]
-    cost = {Kind.F: fwd, Kind.B: [b * share for b in bwd], Kind.W: [b * (1 - share) for b in bwd]}
-    sim = simulate(compute, lambda a: sum(cost[h.kind][h.stage] for h in a.halves() if h.kind in cost), len(fwd))
-    # CPU devices (and gpu:k stand-ins without CUDA) share this machine's cores: the simulator's devices
-    # are independent, so its step is only a bound when there are no more CPU devices than cores
-    on_cpu = [r for r, device in enumerate(ranks) if isinstance(place_of(device), core.CPUPlace)]
-    return max(sim.total, sum(sim.busy.get(r, 0.0) for r in on_cpu) / (os.cpu_count() or 1))
+def _simulated_step(built: _Built, recomputed: Sequence[int]) -> float:
+    """The plan's step in the simulator, each action at its cost (from the plan with the action's stage
+    recomputed or not); CPU devices (and gpu:k stand-ins without CUDA) share this machine's cores, the
+    first OPT of every rank waits for all of them, as in the runtime."""
+    sharing = {r for r, device in enumerate(built.ranks) if isinstance(place_of(device), core.CPUPlace)}
+    sim = simulate(built.actions, lambda a: built.costs[a.stage in recomputed][a], len(built.stage_ranks),
+                   cores=_cores() if sharing else None, sharing=sharing, collectives=True)
+    return sim.total
+
+
+def _efficiency(builds: Sequence[_Built]) -> float | None:
+    """Simulated over measured step of every timed plan, the median: what the simulator leaves out (the
+    threads' hand-offs, the scheduler's switches), one figure for this machine and runtime."""
+    ratios = [_simulated_step(b, tuple(range(len(b.stage_ranks))) if rc else ()) / step
+              for b in builds for rc, step in b.measured.items()]
+    return statistics.median(ratios) if ratios else None
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _apply(program, loss, optimizer, startup, profile, chosen: Candidate, m: int, cap: float | None) -> None:

@@ -43,7 +43,7 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
     refuse_pir(program, "staticpipe.profile")
     if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
         raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
-    batch = _first_batch(feed)
+    batch = first_batch(feed)
     if place is None or isinstance(place, str):
         place = place_of(place or "gpu:0")
     block = program.global_block()
@@ -97,7 +97,7 @@ def _device_name(place: core.Place) -> str:
     return f"gpu:{place.get_device_id()}" if isinstance(place, core.CUDAPlace) else "cpu"
 
 
-def _first_batch(feed: dict | DataLoader) -> dict[str, np.ndarray]:
+def first_batch(feed: dict | DataLoader) -> dict[str, np.ndarray]:
     if isinstance(feed, dict):
         if not feed:
             raise ValueError("feed is empty: give one batch as {data variable name: array}")

@@ -32,7 +32,7 @@ NAN_INF_FLAG = "FLAGS_check_nan_inf"
 class StepRunner:
     def __init__(self, devices: Devices):
         self.devices = devices
-        self.trace = False  # record (action, start, end) of every action of the next steps
+        self.trace = False  # record (action, start, end, CPU seconds) of every action of the next steps
         self.check_finite = False  # stop at the first NaN or Inf an op writes (Paddle's FLAGS_check_nan_inf)
         self.global_step = 0  # training steps whose actions all ran (their updates are applied)
         self.records: list[tuple] = []  # of the last traced step
@@ -138,7 +138,7 @@ class StepRunner:
         record = None
         if self.trace:
             self.records = records = []
-            record = lambda action, start, end: records.append((action, start, end))  # noqa: E731
+            record = lambda *event: records.append(event)  # noqa: E731
         # in one process the first rank runs here, on the calling thread: a hand-off to a worker thread
         # and back costs two thread wake-ups (58 µs measured); the other ranks run on their workers
         jobs = [(plan.ranks[rank], StepJob(plan, program, feeds, fetch, channel, self._places[plan],

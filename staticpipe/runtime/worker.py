@@ -80,7 +80,7 @@ class StepJob:
     places: dict[int, core.Place]  # stage -> place (generic) of the receiver of its sends
     micro_batch_size: int | None  # None: any (evaluation)
     shapes: list[tuple]  # micro-batch -> the shapes of its data (what the kept activations' sizes follow)
-    record: Callable[[Action, float, float], None] | None = None
+    record: Callable[[Action, float, float, float], None] | None = None  # (action, start, end, thread CPU s)
 
 
 @dataclass
@@ -171,6 +171,7 @@ class DeviceWorker:
         result = StepResult()
         program, record = job.program, job.record
         scopes: dict[tuple[int, int], core._Scope] = {}
+        cpu = time.thread_time() if record is not None else 0.0
         try:
             for i, action in enumerate(program.actions):
                 started = time.perf_counter() if record is not None else 0.0
@@ -193,10 +194,12 @@ class DeviceWorker:
                     raise
                 except BaseException as exc:
                     raise StageError(action.stage, self.device, action, exc) from exc
-                if record is not None:
-                    record(action, started, time.perf_counter())
                 for stage, mb in program.last_use.get(i, ()):
                     self._release(program, stage, mb, scopes.pop((stage, mb)))
+                if record is not None:  # the thread's CPU since the last record: the action and its upkeep
+                    ended, spent = time.perf_counter(), time.thread_time()
+                    record(action, started, ended, spent - cpu)
+                    cpu = spent
         finally:  # a failed step leaves no half-used micro-batch scope behind
             for (stage, mb), scope in scopes.items():
                 self._release(program, stage, mb, scope)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from .actions import Action, Kind, Schedule
 from .execution import Event, execute
+from .shared_cores import execute_shared
 
 UNIT_COSTS = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.OPT: 0.0, Kind.SEND: 0.0, Kind.RECV: 0.0}
 BUSY_KINDS = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)  # compute; messages are not useful work
@@ -49,15 +50,23 @@ def cost_function(costs: Costs) -> Callable[[Action], float]:
     return lambda a: table[a.kind]
 
 
-def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = None) -> Simulation:
+def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = None, *, cores: float | None = None,
+             sharing: Collection[int] | None = None, collectives: bool = False) -> Simulation:
     """Simulate a compute-only or lowered schedule. ``num_stages`` defaults to the highest stage + 1.
 
     Without W actions, B is the whole backward: price it so (e.g. {"B": 2}) to compare with a
     split-backward schedule at F = B = W = 1. ``ScheduleError`` if the schedule deadlocks.
+    ``cores``: the ranks in ``sharing`` (default: all) share this many processors (``shared_cores``:
+    CPU stage threads on one machine); None: every rank has its own. ``collectives``: no rank starts
+    its first OPT before every rank has reached it (the runtime's step barrier).
     """
     stages = {a.stage for acts in schedule.values() for a in acts}
-    events = execute(schedule, num_stages if num_stages is not None else max(stages, default=-1) + 1,
-                     cost_function(costs))
+    num_stages = num_stages if num_stages is not None else max(stages, default=-1) + 1
+    duration = cost_function(costs)
+    events = execute(schedule, num_stages, duration, collectives)
+    if cores is not None:
+        events = execute_shared(schedule, num_stages, duration, cores,
+                                set(schedule) if sharing is None else set(sharing), collectives)
     events.sort(key=lambda e: (e[2], e[0]))  # by start time, then rank; a rank's list order is kept
     total = max((e[3] for e in events), default=0.0)
     busy = dict.fromkeys(schedule, 0.0)

@@ -1,15 +1,17 @@
 """Timelines of executed steps: what every rank did when, exported for people to look at.
 
-The runtime records ``(action, start, end)`` for every action while tracing is on (one list append per
-action; nothing at all when off). A ``Timeline`` turns one step's records into busy time, the measured
-bubble, a Chrome trace (chrome://tracing, Perfetto) and a PNG Gantt chart drawn beside the simulator's
-prediction for the same measured action times.
+The runtime records ``(action, start, end, CPU seconds)`` for every action while tracing is on (one list
+append per action; nothing at all when off). A ``Timeline`` turns one step's records into busy time, the
+measured bubble, a Chrome trace (chrome://tracing, Perfetto), a PNG Gantt chart drawn beside the
+simulator's prediction for the same measured action times, and what each action costs alone.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .._paddle import core
+from ..placement import place_of
 from ..plan import Plan
 from ..schedule import Action, Kind, simulate
 from ..schedule.simulate import PLANNED_KINDS
@@ -21,15 +23,16 @@ COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)
 class Timeline:
     plan: Plan
     events: list[tuple[int, Action, float, float]]  # (rank, action, start, end), seconds from step start
+    cpu: dict[Action, float] = field(default_factory=dict)  # action -> its worker thread's CPU seconds, upkeep included
 
     @classmethod
-    def from_records(cls, plan: Plan, records: list[tuple[Action, float, float]]) -> "Timeline":
+    def from_records(cls, plan: Plan, records: list[tuple[Action, float, float, float]]) -> "Timeline":
         if not records:
             raise ValueError("no actions were recorded: create the Executor with trace=True and run a step")
-        t0 = min(start for _, start, _ in records)
+        t0 = min(start for _, start, _, _ in records)
         rank_of = {s.index: s.rank for s in plan.stages}
-        return cls(plan, sorted(((rank_of[a.stage], a, start - t0, end - t0) for a, start, end in records),
-                                key=lambda e: (e[0], e[2])))
+        return cls(plan, sorted(((rank_of[a.stage], a, start - t0, end - t0) for a, start, end, _ in records),
+                                key=lambda e: (e[0], e[2])), {a: cpu for a, _, _, cpu in records})
 
     @property
     def total(self) -> float:
@@ -52,6 +55,18 @@ class Timeline:
         schedule's own bound, which the runtime's overhead is measured against."""
         cost = {a: end - start for _, a, start, end in self.events}
         return simulate(self.plan.actions, costs=lambda a: cost.get(a, 0.0) if a.kind in COMPUTE else 0.0)
+
+    def action_costs(self) -> dict[Action, float]:
+        """What each action would have cost alone, for the simulator to price other schedules with
+        (``auto_plan``). On a CPU device, the CPU seconds its worker thread spent from the end of the
+        action before to the end of this one and its upkeep (freeing a micro-batch's scope after its last
+        action), where the wall time also counts the waits for a core shared with other stage threads and
+        a RECV's wait for its message. On a CUDA device, a compute action's wall time (the worker waits
+        for the kernels; the thread may spin or sleep meanwhile) and, for messages and OPT (whose first
+        waits for every rank), CPU seconds."""
+        cuda = {r for r, device in enumerate(self.plan.ranks) if isinstance(place_of(device), core.CUDAPlace)}
+        return {a: end - start if rank in cuda and a.kind in COMPUTE and a.kind is not Kind.OPT else self.cpu[a]
+                for rank, a, start, end in self.events}
 
     def stage_costs(self) -> dict[str, list[float]]:
         """Mean seconds of each stage's F, B and W actions in this step: ``{"F": [stage 0, stage 1, ...],
