@@ -104,7 +104,7 @@ def test_the_report_names_the_choice_and_the_runners_up(profile):
     _, report = plan(profile, schedules=["1F1B", "ZB-H1", "V-Min"])
     text = str(report).splitlines()
     assert text[0] == (f"auto_plan: micro-batch 16, caps gpu:0 unlimited, gpu:1 unlimited; "
-                       f"{len(report.candidates)} plans priced; times from the op profile alone (no feed given)")
+                       f"{len(report.candidates)} plans priced; times from the op profile alone (no plan timed)")
     assert text[1] == f"  chosen: {report.chosen.describe()}"
     others = {c.schedule for c in report.candidates} - {report.chosen.schedule}
     assert len([line for line in text[3:] if "slower" in line or "as fast" in line]) == len(others)
@@ -162,3 +162,12 @@ def test_a_feed_of_another_size_than_the_profile_is_refused(profile):
         staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M, feed=batch, profile=profile, startup=n.startup)
     assert str(err.value) == (f"feed has batches of {dict.fromkeys(batch, 8)}, but the profile was taken at "
                               "micro-batch 16: give one micro-batch of the size the profile was taken at")
+
+
+def test_time_steps_zero_prices_from_the_profile_even_with_a_feed(profile):
+    n = net()
+    report = staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M, feed=n.random_batch(16), profile=profile,
+                                  startup=n.startup, schedules=["1F1B"], time_steps=0)
+    _, untimed = plan(profile, schedules=["1F1B"])
+    assert report.efficiency is None and report.timed_plans == 0
+    assert [c.step_s for c in report.candidates] == [c.step_s for c in untimed.candidates]

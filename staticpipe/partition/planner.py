@@ -98,7 +98,7 @@ class PlanReport:
         best: dict[tuple[str, str], Candidate] = {}
         for c in self.candidates:  # fastest first: the first of each schedule and cut is its best
             best.setdefault((c.schedule, c.policy), c)
-        timing = ("times from the op profile alone (no feed given)" if self.efficiency is None else
+        timing = ("times from the op profile alone (no plan timed)" if self.efficiency is None else
                   f"times from {self.timed_plans} timed plans, simulated / measured step {self.efficiency:.2f}")
         lines = [f"auto_plan: micro-batch {self.micro_batch_size}, caps {caps}; {len(self.candidates)} plans priced; "
                  + timing,
