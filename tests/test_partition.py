@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 
@@ -271,14 +272,21 @@ def test_memory_policy_through_auto_place(gpt_profile):
 
 
 def test_time_policy_balances_resnet50(resnet_profile):
+    """The time cut's slowest stage is the best any contiguous cut of the profiled layers achieves (within
+    the policy's 1 % tie tolerance), so no other policy balances better. Checked against every cut, on
+    the profile's own numbers: what balance the machine then gives is for ``bench/partition.py``."""
+    costs = [layer.forward_s + layer.backward_s for layer in resnet_profile.layers]
     for num_stages in (2, 4):
-        ratio = {}
+        best = min(max(sum(costs[a:b]) for a, b in zip((0,) + cut, cut + (len(costs),)))
+                   for cut in itertools.combinations(range(1, len(costs)), num_stages - 1))
+        ratio, slowest = {}, {}
         for policy in ("uniform", "params", "time"):
             net = build_resnet(**RESNET)
-            ratio[policy] = staticpipe.auto_place(net.main, num_stages, policy=policy,
-                                                  profile=resnet_profile).imbalance()
-        assert ratio["time"] <= 1.10, ratio
-        assert ratio["time"] < ratio["uniform"] and ratio["time"] < ratio["params"], ratio
+            placement = staticpipe.auto_place(net.main, num_stages, policy=policy, profile=resnet_profile)
+            ratio[policy] = placement.imbalance()
+            slowest[policy] = max(s.forward_s + s.backward_s for s in placement.stages)
+        assert slowest["time"] <= best * 1.01 + 1e-12, (slowest, best)
+        assert ratio["time"] <= min(ratio["uniform"], ratio["params"]) * 1.01 + 1e-12, ratio
 
 
 def test_report_and_predicted_step_time(resnet_profile):
