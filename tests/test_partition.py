@@ -127,6 +127,10 @@ def test_profile_rows_flops_and_exports(tmp_path):
     with open(tmp_path / "profile.json") as f:
         data = json.load(f)
     assert data["batch_size"] == 16 and len(data["ops"]) == len(prof.ops)
+    assert staticpipe.partition.Profile.from_json(tmp_path / "profile.json") == prof
+    with pytest.raises(ValueError) as err:
+        staticpipe.partition.Profile.from_json(tmp_path / "ops.csv")
+    assert str(err.value).startswith(f"{tmp_path / 'ops.csv'} is not a profile written by Profile.to_json")
 
 
 def test_profile_of_a_minimized_program_times_its_own_backward():

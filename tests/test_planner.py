@@ -171,3 +171,27 @@ def test_time_steps_zero_prices_from_the_profile_even_with_a_feed(profile):
     _, untimed = plan(profile, schedules=["1F1B"])
     assert report.efficiency is None and report.timed_plans == 0
     assert [c.step_s for c in report.candidates] == [c.step_s for c in untimed.candidates]
+
+
+def test_in_a_launched_job_it_plans_only_from_a_profile_given(profile, monkeypatch, tmp_path):
+    """Every process of a launched job must choose the same plan: its own measurements could differ."""
+    _, alone = plan(profile, schedules=["1F1B", "V-Min"])
+    profile.to_json(tmp_path / "profile.json")
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "1")
+    n = net()
+    expected = ("{} in a launched job: every process would measure its own times and could choose another plan than "
+                "the others; take the profile once (staticpipe.profile(...).to_json(path)) and pass "
+                "profile=staticpipe.partition.Profile.from_json(path) on every rank, with no feed")
+    with pytest.raises(ValueError) as err:
+        staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M, feed=n.random_batch(16), profile=profile)
+    assert str(err.value) == expected.format("auto_plan(feed=...)")
+    with pytest.raises(ValueError) as err:
+        staticpipe.auto_plan(n.main, n.loss, adam, DEVICES, M, feed=n.random_batch(16))
+    assert str(err.value) == expected.format("auto_plan without profile=")
+    with pytest.raises(ValueError) as err:
+        staticpipe.auto_place(n.main, devices=DEVICES, policy="time", feed=n.random_batch(16))
+    assert str(err.value) == expected.format("auto_place(policy='time', feed=...)")
+    loaded = staticpipe.partition.Profile.from_json(tmp_path / "profile.json")
+    _, launched = plan(loaded, schedules=["1F1B", "V-Min"])
+    assert launched.chosen == alone.chosen

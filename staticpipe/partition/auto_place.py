@@ -25,7 +25,7 @@ from ..schedule.simulate import peak_inflight
 from . import policies
 from .layers import Layer, forward_ops, group_layers, marker_starts
 from .costs import Profile
-from .profile import profile as run_profile, static_bytes
+from .profile import profile as run_profile, refuse_measuring_in_launched_job, static_bytes
 from .table import format_table, human_bytes
 
 POLICIES = ("uniform", "params", "time", "memory")
@@ -175,6 +175,8 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
     inflight = [inflight.get(k, 0) for k in range(p)]
 
     if profile is None and feed is not None:
+        if policy in ("time", "memory"):
+            refuse_measuring_in_launched_job(f"auto_place(policy={policy!r}, feed=...)")
         profile = run_profile(program, feed)
     if profile is None and policy in ("time", "memory"):
         raise ValueError(f"policy {policy!r} needs measured times: pass profile= (staticpipe.profile(...)) or feed=")

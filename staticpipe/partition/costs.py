@@ -124,6 +124,21 @@ class Profile:
         with open(path, "w") as f:
             json.dump(asdict(self), f, indent=1)
 
+    @classmethod
+    def from_json(cls, path: str) -> "Profile":
+        """The profile ``to_json`` wrote: measured once, planned with anywhere (every process of a launched
+        job must plan from the same numbers). ``ValueError`` naming the file if it is not one."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return cls(data["device"], data["batch_size"], data["repeat"], data["loss"],
+                       [OpRow(**row) for row in data["ops"]],
+                       [LayerRow(**{**row, "ops": tuple(row["ops"]), "parameters": tuple(row["parameters"])})
+                        for row in data["layers"]],
+                       data["param_bytes"], data["var_bytes"], data["notes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path} is not a profile written by Profile.to_json ({type(exc).__name__}: {exc})") from exc
+
 
 def _rows(profile: Profile, level: str) -> list:
     if level not in ("ops", "layers"):

@@ -46,7 +46,7 @@ from ..schedule.simulate import peak_inflight
 from .auto_place import Placement, auto_place
 from .costs import Profile
 from .plan_timing import time_plans
-from .profile import first_batch
+from .profile import first_batch, refuse_measuring_in_launched_job
 from .profile import profile as run_profile
 
 
@@ -133,6 +133,8 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
         raise ValueError(f"time_steps must be an integer >= 0, got {time_steps!r}")
     devices = list(devices)
     caps = _caps(memory_limit, devices)
+    if profile is None or (feed is not None and time_steps):
+        refuse_measuring_in_launched_job("auto_plan(feed=...)" if profile is not None else "auto_plan without profile=")
     batch = first_batch(feed) if feed is not None else None
     if profile is None:
         if batch is None:

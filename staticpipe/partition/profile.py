@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
 from ..ir import arg_names, clear_device_tags, np_dtype, refuse_pir, tensor_bytes
-from ..placement import generic_place, place_of
+from ..placement import generic_place, launched_world, place_of
 from ..rewrite.programs import copy_ops
 from ..rewrite.stages import BWD, FWD, grad_base, latest_gradient_source, op_label, role_of
 from .costs import OpRow, Profile
@@ -95,6 +95,16 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
 
 def _device_name(place: core.Place) -> str:
     return f"gpu:{place.get_device_id()}" if isinstance(place, core.CUDAPlace) else "cpu"
+
+
+def refuse_measuring_in_launched_job(what: str) -> None:
+    """``ValueError`` in a process of a launched job (several processes, one per device): each would
+    measure its own times and could cut or choose differently from the others -- plans that do not
+    match hang or fail. A profile taken once and loaded on every rank gives every rank the same plan."""
+    if launched_world() is not None:
+        raise ValueError(f"{what} in a launched job: every process would measure its own times and could choose "
+                         "another plan than the others; take the profile once (staticpipe.profile(...).to_json(path)) "
+                         "and pass profile=staticpipe.partition.Profile.from_json(path) on every rank, with no feed")
 
 
 def first_batch(feed: dict | DataLoader) -> dict[str, np.ndarray]:
