@@ -12,7 +12,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ._paddle import core, framework, np, paddle
-from .ir import is_pir_program, var_names
+from .ir import free_scope, is_pir_program, var_names
 from .placement import SPLIT_POINTS, parse_device, place_of
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
@@ -243,9 +243,9 @@ class Executor:
     def state_dict(self, program: framework.Program) -> dict[str, np.ndarray]:
         """Every parameter and optimizer state of ``program``, gathered from the stages that hold them."""
         plan = plan_of(program)
-        if plan is None:
-            return state.scope_state(program, self._plain_scope)
         with self._open():
+            if plan is None:
+                return state.scope_state(program, self._plain_scope)
             return state.state_dict(self._devices, plan)
 
     def gathered_state_dict(self, program: framework.Program) -> dict[str, np.ndarray] | None:
@@ -262,27 +262,36 @@ class Executor:
         """Write ``values`` (name -> array) into every stage that holds each name. Names no stage holds
         are an error, or skipped with ``strict=False`` (a single-device checkpoint may hold more)."""
         plan = plan_of(program)
-        if plan is None:
-            for name, value in values.items():
-                self._plain_scope.var(name).get_tensor().set(np.asarray(value), self.place)
-            return
         with self._open():
+            if plan is None:
+                for name, value in values.items():
+                    self._plain_scope.var(name).get_tensor().set(np.asarray(value), self.place)
+                return
             state.set_state_dict(self._devices, plan, values, strict)
 
     # --- devices ------------------------------------------------------------------------------------
     def scope_of(self, device: str) -> core._Scope:
-        """The root scope holding the parameters and optimizer state of the stages on ``device``."""
-        return self._devices.worker(device).scope
+        """The root scope holding the parameters and optimizer state of the stages on ``device``; it is
+        freed by ``close``, after which it must not be used."""
+        with self._open():
+            return self._devices.worker(device).scope
 
     def local_stages(self, plan: Plan) -> list:
         """The stages this process runs: all of them, or its rank's when launched as several processes."""
         return self._devices.local_stages(plan)
 
     def close(self) -> None:
-        """Stop the workers and drop the stages' state; a later call on this executor is refused."""
+        """Stop the workers and free the stages' state, their scopes and prepared runs; a later call on this
+        executor is refused. Freed explicitly: Paddle keeps a scope made by ``core.Scope()`` until the
+        process exits unless it is removed from its scope pool (``runtime.worker.free_scope``)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             self._devices.close()
+            self._plain = None  # its cached interpreters point into the plain scope: they go first
+            free_scope(self._plain_scope)
+            self._plain_scope = None
 
 
 def _executor_place(place: Any) -> core.Place:

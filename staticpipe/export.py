@@ -6,10 +6,10 @@ trained values gathered from every stage and the device tags removed.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ._paddle import framework, paddle
-from .ir import clear_device_tags, fetch_target, is_pir_program
+from .ir import clear_device_tags, fetch_target, free_scope, is_pir_program
 
 if TYPE_CHECKING:
     from .executor import Executor
@@ -18,8 +18,15 @@ if TYPE_CHECKING:
 def export_inference(program: framework.Program, feed_vars: Sequence, fetch_vars: Sequence, path: str,
                      exe: "Executor") -> None:
     """Write ``path.pdmodel`` / ``path.pdiparams`` (``paddle.static.load_inference_model`` format)."""
-    state = exe.state_dict(program)
     scope = paddle.static.Scope()
+    try:
+        _save(program, feed_vars, fetch_vars, path, exe.state_dict(program), scope)
+    finally:  # a scope is Paddle's until freed (``ir.free_scope``), and this one holds the whole model
+        free_scope(scope)
+
+
+def _save(program: framework.Program, feed_vars: Sequence, fetch_vars: Sequence, path: str, state: dict,
+          scope: Any) -> None:
     for name, value in state.items():
         scope.var(name).get_tensor().set(value, paddle.CPUPlace())
     if is_pir_program(program):  # Paddle's PIR saver sets is_test itself, and serializes no op_device

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._paddle import framework, np, paddle
-from .ir import as_float, fetch_target, program_view
+from .ir import as_float, fetch_target, free_scope, program_view
 from .plan import Plan, require_plan
 from .executor import Executor
 
@@ -168,4 +168,5 @@ def verify(program: framework.Program, loader: Any, startup_program: framework.P
                 warnings.simplefilter("ignore")
                 scheduler.set_state_dict(saved)
         pipe.close()
+        free_scope(scope)
     return VerifyReport(steps, rtol, atol, losses_p, losses_r, diffs, check_placement(program, plan), bounds)

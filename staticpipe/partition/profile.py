@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
-from ..ir import arg_names, clear_device_tags, np_dtype, refuse_pir, tensor_bytes
+from ..ir import arg_names, clear_device_tags, free_scope, np_dtype, refuse_pir, tensor_bytes
 from ..placement import generic_place, launched_world, place_of
 from ..rewrite.programs import copy_ops
 from ..rewrite.stages import BWD, FWD, grad_base, latest_gradient_source, op_label, role_of
@@ -55,7 +55,25 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
     roles = [role_of(op, i) for i, op in enumerate(wblock.ops)]
     forward_of = _gradient_owners(wblock, roles)
 
+    layers = group_layers(program)
     scope = core.Scope()
+    try:
+        rows, params, var_bytes, unestimated = _measure(program, work, origin, roles, forward_of, layers, startup,
+                                                        batch, scope, place, repeat)
+    finally:  # a scope is Paddle's until freed (``ir.free_scope``); this one holds a model's values
+        free_scope(scope)
+    result = Profile(_device_name(place), int(next(iter(batch.values())).shape[0]), repeat, loss_name, rows,
+                     param_bytes=params, var_bytes=var_bytes)
+    result.layers = result.aggregate(layers)
+    if unestimated:
+        result.notes.append(f"FLOPs are not estimated (counted as 0) for op types: {', '.join(sorted(unestimated))}")
+    return result
+
+
+def _measure(program, work, origin, roles, forward_of, layers, startup, batch, scope, place, repeat):
+    """Every forward op's row, the parameters' and activations' bytes, and the op types without a FLOP
+    estimate, measured in ``scope``."""
+    block, wblock = program.global_block(), work.global_block()
     _initialise(work, startup, scope, place)
     _feed(wblock, roles, batch, scope, place)
     exe = core.Executor(generic_place(place))
@@ -69,7 +87,6 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
     read_by_backward = {n for j in forward_of for n in wblock.ops[j].input_arg_names}
     params = {p.name: static_bytes(p) for p in block.all_parameters()}
     rows, unestimated, var_bytes = [], set(), {}
-    layers = group_layers(program)
     layer_of = {i: layer.index for layer in layers for i in layer.ops}
     for j, role in enumerate(roles):
         if role != FWD:
@@ -85,12 +102,7 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
                           sum(params[n] for n in dict.fromkeys(op.input_arg_names) if n in params),
                           sum(var_bytes[n] for n in outs), sum(var_bytes[n] for n in outs if n in read_by_backward),
                           flops or 0, "" if flops is not None else "FLOPs not estimated"))
-    result = Profile(_device_name(place), int(next(iter(batch.values())).shape[0]), repeat, loss_name, rows,
-                     param_bytes=params, var_bytes=var_bytes)
-    result.layers = result.aggregate(layers)
-    if unestimated:
-        result.notes.append(f"FLOPs are not estimated (counted as 0) for op types: {', '.join(sorted(unestimated))}")
-    return result
+    return rows, params, var_bytes, unestimated
 
 
 def _device_name(place: core.Place) -> str:

@@ -99,10 +99,14 @@ class Devices:
         return channel
 
     def close(self) -> None:
+        """Stop the worker threads, then free each worker's scopes and prepared runs (``DeviceWorker.close``:
+        Paddle keeps a root scope until it is freed explicitly, whatever Python drops)."""
         for thread in self._threads.values():
             thread.stop()
         self._threads.clear()
-        self.workers.clear()
+        workers, self.workers = list(self.workers.values()), {}
+        for worker in workers:
+            worker.close()
 
 
 class StageThread:

@@ -12,7 +12,7 @@ import contextlib
 from typing import Any
 
 from .._paddle import core, framework, np, paddle
-from ..ir import clear_device_tags, declared, declared_var, is_pir_program, np_dtype
+from ..ir import clear_device_tags, declared, declared_var, free_scope, is_pir_program, np_dtype
 from ..pir_ir import pir_thread
 from ..plan import Plan, Stage
 from .devices import Devices
@@ -25,20 +25,23 @@ def run_startup(devices: Devices, startup: framework.Program, plan: Plan) -> Non
     ``amp_init`` casts afterwards on one device; here every stage's copy is cast as it is placed (the
     float32 master weights are the optimizer's own persistables, initialised by the startup program)."""
     host = core.Scope()
-    on_host = clear_device_tags(startup.clone())
-    on_host.random_seed = startup.random_seed
-    with pir_thread() if is_pir_program(startup) else contextlib.nullcontext():
-        paddle.static.Executor(core.CPUPlace()).run(on_host, scope=host)
-    for stage in devices.local_stages(plan):
-        worker = devices.worker(stage.device)
-        dtypes = {name: declared_var(section.program, name)[1] for section in stage.sections.values()
-                  for name, persistable in declared(section.program) if persistable}
-        for name in stage.persistables:
-            var = host.find_var(name)
-            if var is not None and var.get_tensor()._is_initialized():
-                value = np.array(var.get_tensor())
-                worker.scope.var(name).get_tensor().set(_low_precision(value, dtypes.get(name)), worker.place)
-        worker.init_stage(stage)
+    try:
+        on_host = clear_device_tags(startup.clone())
+        on_host.random_seed = startup.random_seed
+        with pir_thread() if is_pir_program(startup) else contextlib.nullcontext():
+            paddle.static.Executor(core.CPUPlace()).run(on_host, scope=host)
+        for stage in devices.local_stages(plan):
+            worker = devices.worker(stage.device)
+            dtypes = {name: declared_var(section.program, name)[1] for section in stage.sections.values()
+                      for name, persistable in declared(section.program) if persistable}
+            for name in stage.persistables:
+                var = host.find_var(name)
+                if var is not None and var.get_tensor()._is_initialized():
+                    value = np.array(var.get_tensor())
+                    worker.scope.var(name).get_tensor().set(_low_precision(value, dtypes.get(name)), worker.place)
+            worker.init_stage(stage)
+    finally:  # the stages hold copies: the host's values, the whole model's state, are freed (free_scope)
+        free_scope(host)
 
 
 def _low_precision(value: np.ndarray, dtype: Any) -> np.ndarray:

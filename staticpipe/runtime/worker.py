@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._paddle import core, np
-from ..ir import declared, is_pir_program, np_dtype, tensor_bytes, tensor_of
+from ..ir import declared, free_scope, is_pir_program, np_dtype, tensor_bytes, tensor_of
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, WEIGHT, CutVar, Plan, Run, Section, Stage
 from ..schedule import Action, Kind
 from .channel import Channel
@@ -282,6 +282,18 @@ class DeviceWorker:
     def reset_memory(self) -> None:
         self.memory.clear()
         self.device_memory = MemoryStats()
+
+    def close(self) -> None:
+        """Free what this worker holds inside Paddle; the worker is unusable after it. The prepared contexts
+        and PIR interpreters go first (they point into the scope), then the root scope, and with it every
+        micro-batch scope under it (a scope owns its kids). Its thread must have stopped."""
+        self._ctx.clear()
+        self._pir = None
+        self._free.clear()
+        self._sizes.clear()
+        self._held.clear()
+        scope, self.scope = self.scope, None  # a later use fails in Python, not on freed memory
+        free_scope(scope)
 
     def borrow_scope(self) -> core._Scope:
         """A scope under the device's for one micro-batch's (or one optimize section's) temporaries."""
