@@ -1,7 +1,9 @@
 """How a failure in one stage stops the whole pipeline: the error it raises, and what the others see."""
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import Iterator
 
 
 class StageError(RuntimeError):
@@ -15,6 +17,19 @@ class StageError(RuntimeError):
 
 class PipelineAborted(RuntimeError):
     """Raised in a worker blocked on a channel when another stage failed."""
+
+
+@contextlib.contextmanager
+def failing_as(stage: int, device: str, action: object, note: str = "") -> Iterator[None]:
+    """Raise what fails inside as this stage's ``StageError`` (the original as its cause). What already
+    says where it came from (a ``StageError``, another stage's ``PipelineAborted``) and an interrupt or
+    exit pass through as they are."""
+    try:
+        yield
+    except (PipelineAborted, StageError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        raise StageError(stage, device, action, exc, note) from exc
 
 
 class NonFiniteError(StageError):

@@ -26,7 +26,7 @@ from ..ir import tensor_of
 from ..plan import OPTIMIZE, SUM, Exchange
 from ..schedule.actions import OPT
 from .channel import Channel
-from .errors import PipelineAborted, StageError
+from .errors import failing_as
 
 if TYPE_CHECKING:
     from .worker import DeviceWorker, StepJob
@@ -47,14 +47,11 @@ def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ..
     waits: dict[int, Waiting] = {}
 
     def resume(stage: int, reply: Any = None) -> None:
-        try:
-            waits[stage] = walks[stage].send(reply)
-        except StopIteration:
-            waits.pop(stage, None)
-        except (PipelineAborted, KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:
-            raise StageError(stage, worker.device, OPT(stage), exc, UPDATE_FAILED) from exc
+        with failing_as(stage, worker.device, OPT(stage), UPDATE_FAILED):
+            try:
+                waits[stage] = walks[stage].send(reply)
+            except StopIteration:
+                waits.pop(stage, None)
 
     for stage in stages:
         resume(stage)

@@ -19,7 +19,7 @@ from ..ir import declared, free_scope, is_pir_program, np_dtype, tensor_bytes, t
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, WEIGHT, CutVar, Plan, Run, Section, Stage
 from ..schedule import Action, Kind
 from .channel import Channel
-from .errors import PipelineAborted, StageError
+from .errors import PipelineAborted, StageError, failing_as
 from .optimize_phase import run_optimizers
 from .pir_runs import PirRuns
 
@@ -175,7 +175,7 @@ class DeviceWorker:
         try:
             for i, action in enumerate(program.actions):
                 started = time.perf_counter() if record is not None else 0.0
-                try:
+                with failing_as(action.stage, self.device, action):
                     if action.kind is Kind.OPT:
                         group = program.optimizer_groups.get(action.stage)
                         if group is not None:  # the first of the rank's OPT actions runs them all
@@ -190,10 +190,6 @@ class DeviceWorker:
                             self._send(job, action, scope)
                         else:
                             self._compute(job, action, scope, result)
-                except (PipelineAborted, StageError, KeyboardInterrupt, SystemExit):
-                    raise
-                except BaseException as exc:
-                    raise StageError(action.stage, self.device, action, exc) from exc
                 for stage, mb in program.last_use.get(i, ()):
                     self._release(program, stage, mb, scopes.pop((stage, mb)))
                 if record is not None:  # the thread's CPU since the last record: the action and its upkeep
@@ -249,12 +245,8 @@ class DeviceWorker:
         CPU stage runs one section at a time; their messages were received before and go after. A
         failure names the pair and the stage of the half that failed."""
         for half, scope in zip(pair.halves(), scopes):
-            try:
+            with failing_as(half.stage, self.device, pair):
                 self._compute(job, half, scope, result)
-            except (PipelineAborted, StageError, KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as exc:
-                raise StageError(half.stage, self.device, pair, exc) from exc
 
     def _held_bytes(self, job: StepJob, forward: Section, microbatch: int, scope: core._Scope) -> int:
         """Bytes ``forward`` left in ``scope`` for the backward. Why not always measured: it costs a few
