@@ -21,6 +21,8 @@ EXAMPLES = {  # script -> (small arguments, a line its last output must match)
     "train_gpt.py": (["--steps", "3"], r"^loss [\d.]+ -> [\d.]+; activation memory per stage: \{0: "),
     "auto_partition.py": (["--steps", "2", "--batch", "16", "--microbatches", "4"],
                           r"^loss [\d.]+ -> [\d.]+; last step's busy time per stage: "),
+    "auto_plan.py": (["--steps", "2", "--cap-mib", "6", "--time-steps", "1", "--devices", "2"],  # predicted == measured
+                     r"^activation peak per device, predicted / measured: gpu:0 (\S+ \S+) / \1, gpu:1 (\S+ \S+) / \2$"),
     "run_saved_plan.py": (["--steps", "3", "--dir", "{tmp}/plan", "--width", "32"],
                           r"^trained 3 steps from .+/plan: loss [\d.]+ -> [\d.]+$"),
 }
