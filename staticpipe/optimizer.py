@@ -31,7 +31,7 @@ class PipelineOptimizer:
     third / half of 1F1B's activations), "Eager1F1B" (Paddle's: 1F1B with twice the warm-up),
     "DualPipeV" (a V pairing a forward with a backward of another micro-batch), or a custom schedule:
     ``{rank: [Action, ...]}`` or its text (``rank 0: 0F0 0F1 ...``).
-    ``schedule_costs``: for "ZB-H1" and "ZB-V", the F, B and W durations to plan the order with, one
+    ``schedule_costs``: for "ZB-H1", "ZB-V" and "ZB-2P", the F, B and W durations to plan the order with, one
     per kind or a list of one per stage (``{"F": [0.031, 0.035], ...}``: ``Timeline.stage_costs()`` of a
     traced step), or a function of the action; None plans with unit costs.
     ``micro_batch_size``: fixes the batch dimension of cut variables at rewrite time; otherwise it is

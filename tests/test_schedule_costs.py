@@ -1,4 +1,5 @@
-"""Cost-aware ZB-H1 and ZB-V plans: valid, never slower than unit-cost plans at measured costs, in 1F1B's memory."""
+"""Cost-aware ZB-H1, ZB-V and ZB-2P plans: valid, never slower than unit-cost plans at measured costs, in
+1F1B's memory (ZB-2P: twice it)."""
 from __future__ import annotations
 
 import random
@@ -49,8 +50,9 @@ def random_costs(rng, num_stages):
     return costs | {"W": [rng.choice([0, 0.25, 0.5, 1]) for _ in range(num_stages)]}
 
 
-@pytest.mark.parametrize("name, chunks", [("ZB-H1", 1), ("ZB-V", 2)])
-def test_cost_aware_plans_are_valid_never_slower_and_within_1f1b_memory(name, chunks):
+@pytest.mark.parametrize("name, chunks, memory", [("ZB-H1", 1, 1), ("ZB-V", 2, 1), ("ZB-2P", 1, 2)])
+def test_cost_aware_plans_are_valid_never_slower_and_within_their_memory(name, chunks, memory):
+    """Within 1F1B's memory (ZB-2P: twice it)."""
     rng = random.Random(4)
     kind = get_kind(name)
     faster = 0
@@ -63,7 +65,7 @@ def test_cost_aware_plans_are_valid_never_slower_and_within_1f1b_memory(name, ch
         unit = simulate(make_schedule(name, p, m, chunks), price).total
         assert simulate(planned, price).total <= unit, (p, m, costs)
         faster += simulate(planned, price).total < unit
-        assert max(map(rank_peak, planned.values())) <= p * chunks, (p, m, costs)
+        assert max(map(rank_peak, planned.values())) <= memory * p * chunks, (p, m, costs)
     assert faster >= 10  # the costs do change plans, for the better
 
 
@@ -80,7 +82,7 @@ def test_costs_are_checked_and_name_the_fault():
         with pytest.raises(ValueError, match=re.escape(error)):
             make_schedule("ZB-H1", 2, 4, costs=costs)
     with pytest.raises(ValueError, match=re.escape(
-            "costs is for the schedules that plan by measured costs (ZB-H1, ZB-V); schedule 1F1B does not use it")):
+            "costs is for the schedules that plan by measured costs (ZB-H1, ZB-V, ZB-2P); schedule 1F1B does not use it")):
         make_schedule("1F1B", 2, 4, costs={"F": 1})
     with pytest.raises(ValueError, match=re.escape("costs give action 1B0 a negative duration (-1)")):
         make_schedule("ZB-H1", 2, 4, costs=lambda a: -1 if str(a) == "1B0" else 1)

@@ -258,9 +258,9 @@ def test_pipeline_optimizer_checks_schedule_costs():
     with pytest.raises(ValueError, match=re.escape("unknown action kind 'w' in schedule_costs; kinds: F, B, W")):
         staticpipe.PipelineOptimizer(opt, 4, "ZB-H1", schedule_costs={"w": 0.5})
     with pytest.raises(ValueError, match=re.escape("schedule_costs is for the schedules that plan by measured costs "
-                                                   "(ZB-H1, ZB-V); schedule interleaved does not use it")):
+                                                   "(ZB-H1, ZB-V, ZB-2P); schedule interleaved does not use it")):
         staticpipe.PipelineOptimizer(opt, 4, "interleaved", schedule_costs={"W": 0.5})
-    with pytest.raises(ValueError, match=re.escape("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V); "
+    with pytest.raises(ValueError, match=re.escape("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V, ZB-2P); "
                                                    "a custom schedule gives its own order")):
         staticpipe.PipelineOptimizer(opt, 1, "rank 0: 0F0 0B0 0OPT", schedule_costs={"W": 0.5})
     net = build_mlp(num_stages=2)
@@ -268,15 +268,20 @@ def test_pipeline_optimizer_checks_schedule_costs():
         minimize(net, opt, dict(num_microbatches=4, schedule="ZB-H1", schedule_costs={"F": [1, 1, 2]}))
 
 
-def test_cost_aware_plan_trains_like_one_device():
+@pytest.mark.parametrize("schedule, m, rank1", [
+    ("ZB-H1", 2, "1F0 1F1 1B0 1B1 1W0 1W1"),
+    ("ZB-2P", 3, "1F0 1F1 1F2 1B0 1B1 1B2 1W0 1W1 1W2"),
+])
+def test_cost_aware_plan_trains_like_one_device(schedule, m, rank1):
     builder = partial(build_mlp, num_stages=3)
-    twin = train_twins(builder, momentum, num_microbatches=2, schedule="ZB-H1", schedule_costs=HEAVY_MIDDLE)
+    twin = train_twins(builder, momentum, batch_size=6 * m, num_microbatches=m, schedule=schedule,
+                       schedule_costs=HEAVY_MIDDLE)
     assert_same_training(twin)
     net = builder()
-    minimize(net, momentum(), dict(num_microbatches=2, schedule="ZB-H1", schedule_costs=HEAVY_MIDDLE))
+    minimize(net, momentum(), dict(num_microbatches=m, schedule=schedule, schedule_costs=HEAVY_MIDDLE))
     compute = {r: [a for a in acts if a.kind in (Kind.F, Kind.B, Kind.W)]
                for r, acts in staticpipe.plan_of(net.main).actions.items()}
-    assert " ".join(map(str, compute[1])) == "1F0 1F1 1B0 1B1 1W0 1W1"  # the cost-aware order, not the unit one
+    assert " ".join(map(str, compute[1])) == rank1  # the cost-aware order, not the unit one
 
 
 def test_timeline_action_costs_are_each_actions_cpu_seconds():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..schedule import Action, Kind, Schedule, canonical_name, check_microbatches, get_kind, parse_action, parse_schedule
-from ..schedule.registry import check_costs
+from ..schedule.registry import KINDS, check_costs
 from ..schedule.simulate import StageCosts
 
 
@@ -38,7 +38,8 @@ class PlanOptions:
         if not isinstance(self.dp_degree, int) or isinstance(self.dp_degree, bool) or self.dp_degree < 1:
             raise ValueError(f"dp_degree must be an integer >= 1, got {self.dp_degree!r}")
         if self.schedule_costs is not None and self.custom is not None:
-            raise ValueError("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V); a custom schedule "
+            aware = ", ".join(k.name for k in KINDS.values() if k.cost_aware)
+            raise ValueError(f"schedule_costs plans the order of a named schedule ({aware}); a custom schedule "
                              "gives its own order")
         self.costs()
 

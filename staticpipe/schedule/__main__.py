@@ -5,7 +5,7 @@
 
 ``--stages`` is the number of ranks (devices), ``--chunks`` the stages per device. ``--json`` prints
 the action lists as JSON (``schedule_from_json`` reads it back) instead of text. ``--costs`` prices the
-simulation and, for the schedules that plan by costs (ZB-H1, ZB-V), the plan itself: the simulated
+simulation and, for the schedules that plan by costs (ZB-H1, ZB-V, ZB-2P), the plan itself: the simulated
 total of the unit-cost plan under the same costs is printed beside it. ``span bubble`` is the bubble with
 no barrier between steps (each rank's idle time between its own first and last action): the zero-bubble
 papers' measure, 0 for ZB-2P.

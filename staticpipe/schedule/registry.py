@@ -60,7 +60,7 @@ KINDS = {k.name: k for k in (
     ScheduleKind("ZB-V", _one_chunk_costed(zb_v), _v, split_backward=True, chunks=2, cost_aware=True),
     ScheduleKind("V-Min", _one_chunk(v_min), _v, split_backward=True, chunks=2),
     ScheduleKind("V-Half", _one_chunk(v_half), _v, split_backward=True, chunks=2),
-    ScheduleKind("ZB-2P", _one_chunk(zb_2p), _round_robin, split_backward=True),
+    ScheduleKind("ZB-2P", _one_chunk_costed(zb_2p), _round_robin, split_backward=True, cost_aware=True),
     ScheduleKind("Eager1F1B", _one_chunk(eager_one_f_one_b), _round_robin,
                  min_microbatches=(lambda num_ranks: 2 * num_ranks - 1, "2 x devices - 1: stage 0's warm-up forwards, "
                                    "as Paddle's Eager1F1B pass requires")),

@@ -45,7 +45,8 @@ warm-up: enough forwards that the stage's first B can start the moment its gradi
 caps a rank at ``2 p x chunks``. With p more micro-batches in flight the W's no longer have to fill
 the fill-and-drain gaps on a rank's critical path: from about ``m >= 2p`` no rank idles between its
 first and its last action at unit costs (``Simulation.span_bubble`` 0, the paper's zero bubble); the
-step still takes ``3m + p - 1`` units, as the last rank starts ``p - 1`` units late.
+step still takes ``3m + p - 1`` units, as the last rank starts ``p - 1`` units late. With measured
+costs it plans like ZB-H1 does (above), under its own memory rules.
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def zb_v(num_ranks: int, num_microbatches: int, costs: Costs = None) -> Schedule
     return greedy_split_backward(zb_v_layout(num_ranks), num_microbatches, costs)
 
 
-def zb_2p(num_ranks: int, num_microbatches: int) -> Schedule:
-    return greedy_split_backward(list(range(num_ranks)), num_microbatches, memory=2)
+def zb_2p(num_ranks: int, num_microbatches: int, costs: Costs = None) -> Schedule:
+    return greedy_split_backward(list(range(num_ranks)), num_microbatches, costs, memory=2)
 
 
 def greedy_split_backward(stage_ranks: list[int], num_microbatches: int, costs: Costs = None,
