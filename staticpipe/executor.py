@@ -283,7 +283,7 @@ class Executor:
     def close(self) -> None:
         """Stop the workers and free the stages' state, their scopes and prepared runs; a later call on this
         executor is refused. Freed explicitly: Paddle keeps a scope made by ``core.Scope()`` until the
-        process exits unless it is removed from its scope pool (``runtime.worker.free_scope``)."""
+        process exits unless it is removed from its scope pool (``ir.free_scope``)."""
         with self._lock:
             if self._closed:
                 return

@@ -161,7 +161,7 @@ def free_scope(scope: core._Scope) -> None:
     ``reference`` policy), so dropping it frees nothing. An executor's device scopes, the startup
     program's host scope and what they held (parameters, optimizer state, gradient buffers, the
     micro-batch scopes' tensors) stayed allocated after ``Executor.close()`` -- 13-15 MB per executor for
-    the 4-stage GPT of the tests -- and so did every profile's, verify's and export's scope. ``_remove_from_pool`` takes it out of the pool and deletes it: every
-    handle to it, or to a scope under it, is then dangling, so only scopes that nothing uses afterwards
-    are freed here."""
+    the 4-stage GPT of the tests -- and so did every profile's, verify's and export's scope.
+    ``_remove_from_pool`` takes it out of the pool and deletes it: every handle to it, or to a scope under
+    it, is then dangling, so only scopes that nothing uses afterwards are freed here."""
     scope._remove_from_pool()

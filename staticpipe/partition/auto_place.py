@@ -13,14 +13,14 @@ points (variable names, or ``staticpipe.split_point()`` markers) are cuts every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .._paddle import OP_DEVICE, framework, np
 from ..io import DataLoader
 from ..ir import refuse_pir
 from ..placement import SPLIT_POINTS, parse_device
 from ..rewrite.stages import op_label, role_of
-from ..schedule import Kind, check_microbatches, get_kind, make_schedule, simulate
+from ..schedule import Action, Kind, check_microbatches, get_kind, make_schedule, simulate
 from ..schedule.simulate import peak_inflight
 from . import policies
 from .layers import Layer, forward_ops, group_layers, marker_starts
@@ -86,11 +86,20 @@ class Placement:
         m = check_microbatches(num_microbatches or self.num_microbatches)
         ranks = list(dict.fromkeys(self.devices))
         compute = make_schedule(kind.name, len(ranks), m, len(self.stages) // len(ranks))
-        share = 0.5 if kind.split_backward else 1.0
-        cost = {Kind.F: [s.forward_s for s in self.stages], Kind.B: [s.backward_s * share for s in self.stages],
-                Kind.W: [s.backward_s * (1 - share) for s in self.stages]}
-        return simulate(compute, lambda a: sum(cost[h.kind][h.stage] for h in a.halves() if h.kind in cost),
-                        len(self.stages)).total
+        return simulate(compute, self.profiled_cost(kind.split_backward), len(self.stages)).total
+
+    def profiled_cost(self, split_backward: bool, recomputed: bool = False) -> Callable[[Action], float]:
+        """An action's seconds at its stage's profiled times: F its forward, B its backward (halved into B
+        and W when ``split_backward``; ``recomputed``: the forward paid again in it), a paired FB its F
+        plus its B; messages and the optimizer 0."""
+        self._times("profiled_cost")
+        share = 0.5 if split_backward else 1.0
+
+        def one(h: Action) -> float:
+            s = self.stages[h.stage]
+            backward = s.backward_s + (s.forward_s if recomputed else 0.0)
+            return {Kind.F: s.forward_s, Kind.B: backward * share, Kind.W: backward * (1 - share)}.get(h.kind, 0.0)
+        return lambda a: sum(map(one, a.halves()))
 
     def _times(self, what: str) -> list[float]:
         if self.stages[0].time_s is None:

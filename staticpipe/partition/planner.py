@@ -41,7 +41,7 @@ from ..optimizer import PipelineOptimizer
 from ..placement import place_of
 from ..plan import Plan
 from ..rewrite.memory import inflight_vectors
-from ..schedule import KINDS, Action, Kind, Schedule, make_schedule, simulate
+from ..schedule import KINDS, Action, make_schedule, simulate
 from ..schedule.simulate import peak_inflight
 from .auto_place import Placement, auto_place
 from .costs import Profile
@@ -190,12 +190,14 @@ class _Built:
     devices: tuple[str, ...]
     policy: str
     stages: Mapping[bool, tuple[StageMemory, ...]]  # recomputed or not -> each stage's figures
-    ranks: tuple[str, ...]
-    stage_ranks: tuple[int, ...]
-    actions: Schedule  # the plan's lowered actions (with its messages)
     costs: Mapping[bool, Mapping[Action, float]]  # recomputed or not -> what each action costs
     programs: Mapping[bool, tuple[framework.Program, framework.Program, Plan]]  # recomputed or not -> built plan
     measured: Mapping[bool, float] = field(default_factory=dict)  # recomputed or not -> measured step (if timed)
+
+    # what recompute leaves alone, read from the plan without it
+    ranks = property(lambda self: self.programs[False][2].ranks)
+    stage_ranks = property(lambda self: tuple(s.rank for s in self.programs[False][2].stages))
+    actions = property(lambda self: self.programs[False][2].actions, doc="the lowered actions, messages included")
 
 
 def _built(program, loss, optimizer, startup, profile, layout, policy, kind, m, recompute, caps) -> _Built | None:
@@ -219,10 +221,10 @@ def _built(program, loss, optimizer, startup, profile, layout, policy, kind, m, 
             opt.minimize(main.global_block().var(loss if isinstance(loss, str) else loss.name))
         plan = opt.plan
         stages[rc] = plan.memory.stages
-        costs[rc] = _profiled_costs(kind, placement, plan.actions, rc)
+        price = placement.profiled_cost(kind.split_backward, rc)
+        costs[rc] = {a: price(a) for acts in plan.actions.values() for a in acts}
         programs[rc] = (main, start, plan)
-    return _Built(placement, tuple(layout), policy, stages, plan.ranks, tuple(s.rank for s in plan.stages),
-                  plan.actions, costs, programs)
+    return _Built(placement, tuple(layout), policy, stages, costs, programs)
 
 
 def _timed(builds: list, batch: dict, steps: int) -> list:
@@ -232,18 +234,6 @@ def _timed(builds: list, batch: dict, steps: int) -> list:
     return [(kind, replace(b, costs={rc: timings[i, rc].costs for rc in b.programs},
                            measured={rc: timings[i, rc].step_s for rc in b.programs}))
             for i, (kind, b) in enumerate(builds)]
-
-
-def _profiled_costs(kind, placement: Placement, actions: Schedule, recomputed: bool) -> dict[Action, float]:
-    """Each action at its stage's profiled times (a recomputed stage pays its forward again in its
-    backward; a split backward is halved into B and W; messages and the optimizer cost nothing)."""
-    share = 0.5 if kind.split_backward else 1.0
-
-    def one(h: Action) -> float:
-        s = placement.stages[h.stage]
-        backward = s.backward_s + (s.forward_s if recomputed else 0.0)
-        return {Kind.F: s.forward_s, Kind.B: backward * share, Kind.W: backward * (1 - share)}.get(h.kind, 0.0)
-    return {a: sum(map(one, a.halves())) for acts in actions.values() for a in acts}
 
 
 def _priced(kind, built: _Built, m: int, mbs: int, caps, num_ranks: int, whole: bool,
