@@ -98,6 +98,12 @@ def main() -> None:
         return
     results: dict[str, dict] = {}
     precisions = PRECISIONS if args.model == "mlp" else PRECISIONS[:-1]
+    from staticpipe.capabilities import cpu_bf16, describe
+
+    print(describe())
+    if not cpu_bf16().ok:  # the bf16 rows would be refused at minimize: measured where the CPU runs bfloat16
+        precisions = tuple(p for p in precisions if not p.startswith("bf16"))
+        print(f"bf16 rows skipped: this CPU cannot run bfloat16 ({cpu_bf16().reason})")
     for _ in range(args.rounds):
         for precision in precisions:
             cmd = [sys.executable, __file__, "--model", args.model, "--stages", str(args.stages), "--microbatches",

@@ -31,8 +31,10 @@ failed:
   e. the launched 2-process path (``python -m staticpipe.launch --nprocs 2``): NCCL when there are 2+ GPUs
      (a cut tensor of 64 MiB at full size), the merged state of both ranks against the same job in one
      process; "skipped: 1 GPU" otherwise. With ``--cpu`` it runs on gloo.
-  f. AMP across the stages: a 2-stage MLP in fp32, fp16 O1 and bf16 O1, samples/s and kept activations per
+  f. AMP fp16 across the stages: a 2-stage MLP in fp32 and fp16 O1, samples/s and kept activations per
      stage side by side, and every stage's copy of the fp16 loss scale equal.
+  g. AMP bf16 across the stages: the same MLP in fp32 and bf16 O1. On CPU stages bfloat16 needs a CPU whose
+     oneDNN runs it (``staticpipe.capabilities``); where it does not, the row is SKIP with the reason.
 
 Each check runs in its own process (``--in-process`` runs them here), under a time limit (``--timeout``),
 so a crash or a hang (an NCCL deadlock) is reported in its row and the other checks still run.
@@ -416,11 +418,25 @@ def check_memory(ctx: Context):
     return ctx.describe(plan.devices), text, PASS if ok else FAIL
 
 
-def check_amp(ctx: Context):
-    """f. AMP across the stages: the same 2-stage MLP in fp32, fp16 O1 (dynamic loss scaling) and bf16 O1,
-    samples/s and peak memory side by side; every stage's copy of the fp16 loss scale must agree. On GPU
-    ``paddle.static.amp.decorate`` casts the white-list ops; on CPU (a dry run) bf16 is ``decorate_bf16``
-    and fp16 casts nothing (Paddle has no CPU fp16 kernels), so only the loss scaling is exercised."""
+def check_fp16(ctx: Context):
+    """f. fp16 O1 (dynamic loss scaling) beside fp32; every stage's copy of the loss scale must agree. On
+    GPU ``paddle.static.amp.decorate`` casts the white-list ops; on CPU (a dry run) fp16 casts nothing
+    (Paddle has no CPU fp16 kernels), so only the loss scaling is exercised."""
+    return _amp_row(ctx, "fp16")
+
+
+def check_bf16(ctx: Context):
+    """g. bf16 O1 beside fp32: on GPU ``paddle.static.amp.decorate(dtype="bfloat16")``, on CPU (a dry run)
+    ``decorate_bf16``, which needs a CPU with bfloat16 kernels: SKIP where the probe says no."""
+    from staticpipe.capabilities import cpu_bf16
+
+    if not ctx.gpus and not cpu_bf16().ok:
+        return "CPU", f"skipped: this CPU cannot run bfloat16 through Paddle's oneDNN ({cpu_bf16().reason})", SKIP
+    return _amp_row(ctx, "bf16")
+
+
+def _amp_row(ctx: Context, low: str):
+    """The same 2-stage MLP in fp32 and in precision ``low``, samples/s and peak memory side by side."""
     import numpy as np
     import paddle
     import staticpipe
@@ -429,7 +445,7 @@ def check_amp(ctx: Context):
     size = dict(in_dim=256, hidden=512, depth=4) if ctx.small else dict(in_dim=1024, hidden=4096, depth=8)
     batch, m, steps = (64, 4, 2) if ctx.small else (1024, 8, 5)
     parts, ok, base, devices = [], True, None, []
-    for precision in ("fp32", "fp16", "bf16"):
+    for precision in ("fp32", low):
         net = build_mlp(num_stages=2, **size)
         opt = paddle.optimizer.Momentum(0.01, momentum=0.9)
         if precision == "fp16":
@@ -466,7 +482,7 @@ def check_amp(ctx: Context):
                      f"activations per stage {', '.join(f'{k:.1f}' for k in kept)} MiB"
                      + ("" if finite else " NON-FINITE LOSS"))
     if ctx.gpus:
-        parts.append(f"GPU peaks (all three runs) "
+        parts.append(f"GPU peaks (both runs) "
                      f"{[round(paddle.device.cuda.max_memory_allocated(k) / MiB) for k in range(ctx.gpus)]} MiB")
     return ctx.describe(devices), "; ".join(parts), PASS if ok else FAIL
 
@@ -569,7 +585,8 @@ CHECKS: dict[str, tuple[str, Callable, bool]] = {  # key -> (row title, function
     "c-seed": ("c. seed ResNet-50: 2 stages vs 1 GPU", check_seed, False),
     "d-memory": ("d. peak memory per stage", check_memory, False),
     "e-launch": ("e. 2-process launch (NCCL)", check_launch, True),
-    "f-amp": ("f. AMP fp16/bf16 across stages", check_amp, False),
+    "f-amp": ("f. AMP fp16 across stages", check_fp16, False),
+    "g-bf16": ("g. AMP bf16 across stages", check_bf16, False),
 }
 
 

@@ -12,7 +12,8 @@ from dataclasses import replace
 from typing import Any
 
 from . import placement
-from ._paddle import OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, framework, paddle
+from ._paddle import OP_DEVICE, OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, framework, paddle
+from .capabilities import bf16_kernel_op, require_bf16
 from .pir_ir import Gradients, differentiate, is_pir_value
 from .pir_view import PirView
 from .placement import split_points_kept
@@ -107,6 +108,7 @@ class PipelineOptimizer:
                              "again to minimize it anew")
         check_layout(program, self.options)  # what can fail on the forward program fails before it changes
         _check_amp(self.inner)
+        _check_bf16(self.inner, program)
         startup = startup_program or paddle.static.default_startup_program()
         updates = _update_ops(program)
         with split_points_kept(program):  # AMP inserts casts into the forward ops
@@ -132,6 +134,7 @@ class PipelineOptimizer:
             raise ValueError("staticpipe does not pipeline PIR programs with AMP (paddle.static.amp) yet; build the "
                              "program in legacy-IR mode for it (STATICPIPE_LEGACY_IR=1, see README)")
         check_layout(PirView(program, Gradients(), loss), self.options)  # before the program changes
+        _check_bf16(self.inner, program)
         startup = startup_program or paddle.static.default_startup_program()
         result, grads = differentiate(self.inner, loss, startup_program, parameters, no_grad_set)
         view = PirView(program, grads, loss)
@@ -180,6 +183,35 @@ def _check_amp(inner: Any) -> None:
     logging.getLogger("staticpipe").warning(
         "staticpipe: AMP O1 (%s) on CPU: Paddle casts no op to %s here (no CPU kernels); loss scaling runs, "
         "in float32", dtype, dtype)
+
+
+def _check_bf16(inner: Any, program: Any) -> None:
+    """Refuse, before the program changes, a bfloat16 program with a stage on a CPU that cannot run
+    bfloat16 (``capabilities.require_bf16``): ``decorate_bf16`` casts every stage's white-list ops, Paddle's
+    ``decorate(dtype="bfloat16")`` does where CUDA is (its CPU stages too), and a matmul the user gave
+    bfloat16 values needs oneDNN's bfloat16 kernels on its device. Where a stage runs is its tag, through
+    ``STATICPIPE_DEVICE_MAP``; an ``Executor(device_map=...)`` that moves a stage to the CPU is checked
+    before the stage's first run."""
+    module = type(inner).__module__
+    if module == "paddle.static.amp.bf16.decorator" or (
+            module == "paddle.static.amp.decorator" and placement.cuda_device_count() > 0
+            and getattr(inner, "_amp_vartype", None) in (core.VarDesc.VarType.BF16, paddle.bfloat16)):
+        what, ops = "a bfloat16 AMP program (its white-list ops cast to bfloat16)", program.global_block().ops
+    else:
+        found = bf16_kernel_op(program)
+        if found is None:
+            return
+        what, ops = found[1], [found[0]] if _tag(found[0]) else program.global_block().ops  # untagged: joins a stage
+    mapping = placement.device_map()
+    for device in sorted({d for d in map(_tag, ops) if d}) or ["gpu:0"]:  # no guard at all: one stage, on gpu:0
+        require_bf16(device, placement.place_of(mapping.get(device, device)), what)
+
+
+def _tag(op: Any) -> str | None:
+    """The normalised ``op_device`` of a legacy or PIR op, or None."""
+    if hasattr(op, "str_attr"):
+        return str(placement.parse_device(op.str_attr(OP_DEVICE))) if op.has_attr(OP_DEVICE) else None
+    return placement.op_device(op)
 
 
 def _is_paddle_optimizer(optimizer: Any) -> bool:

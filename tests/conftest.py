@@ -28,3 +28,12 @@ paddle.enable_static()
 def _static_mode():
     paddle.enable_static()
     yield
+
+
+@pytest.fixture
+def bf16_kernels_assumed(monkeypatch):
+    """For tests that only build bfloat16 plans (nothing runs): the CPU's answer is taken as yes, so the
+    rewrite is tested on every machine."""
+    from staticpipe import capabilities
+    monkeypatch.setattr(capabilities, "_probed", {True: capabilities.Bf16Support(True),
+                                                   False: capabilities.Bf16Support(True)})

@@ -5,8 +5,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pytest
+
 import staticpipe
+from staticpipe import capabilities
 from staticpipe._paddle import np, paddle
+
+# Tests that run bfloat16 kernels on CPU stages: they need a CPU (and oneDNN cap) with bfloat16 matmuls,
+# which the process's probe decides (staticpipe.capabilities); elsewhere they skip, saying why.
+needs_cpu_bf16 = pytest.mark.skipif(not capabilities.cpu_bf16().ok,
+                                    reason="this CPU cannot run bfloat16 through Paddle's oneDNN (probe: "
+                                           f"{capabilities.cpu_bf16().reason}); see staticpipe.capabilities")
 
 
 @dataclass

@@ -26,7 +26,8 @@ import pytest
 
 import staticpipe
 from models import build_gpt, build_mlp
-from pipeline_util import assert_adam_family_training, gradient_merge_twins, minimize, train_twins
+from pipeline_util import (assert_adam_family_training, gradient_merge_twins, minimize, needs_cpu_bf16,
+                           train_twins)
 from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(300)
@@ -164,6 +165,7 @@ def test_an_overflow_on_one_stage_skips_every_stage():
     exe.close()
 
 
+@needs_cpu_bf16
 @pytest.mark.parametrize("schedule", sorted(LAYOUTS))
 def test_bf16_equals_single_device_gradient_merge(schedule):
     """decorate_bf16 casts parameters and activations and runs bfloat16 kernels; activations cross the
@@ -181,7 +183,7 @@ def test_bf16_equals_single_device_gradient_merge(schedule):
     assert "bfloat16" in str(staticpipe.plan_of(net.main))
 
 
-@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+@pytest.mark.parametrize("amp", ["fp16", pytest.param("bf16", marks=needs_cpu_bf16)])
 def test_gpt_tied_embedding_adamw_clipping_over_four_stages(amp):
     """The GPT's token table is read on the first and the last stage (a shared parameter: partial
     gradients sent to its owner, the new value sent back), under AMP with clipping after the unscale."""
@@ -196,7 +198,7 @@ def test_gpt_tied_embedding_adamw_clipping_over_four_stages(amp):
                              microbatches=4, steps=2, batch_size=8, evaluate=False)
 
 
-@pytest.mark.parametrize("amp", ["fp16", "bf16-pure"])
+@pytest.mark.parametrize("amp", ["fp16", pytest.param("bf16-pure", marks=needs_cpu_bf16)])
 def test_checkpoint_carries_the_amp_state_and_resumes_exactly(tmp_path, amp):
     """fp16: the loss scale and its counters; pure bf16: bfloat16 parameters and float32 master weights."""
     builder = partial(build_mlp, num_stages=2, hidden=32, in_dim=16)
@@ -338,6 +340,7 @@ def bf16_batch(net, seed):
     return batch
 
 
+@needs_cpu_bf16
 def test_pure_bf16_starts_like_amp_init_and_trains_like_one_device():
     """Executor.run(startup) stores each stage's parameters as the program declares them (bfloat16), as
     Paddle's amp_init does on one device: the initial state equals it bit for bit. With one micro-batch
@@ -400,6 +403,7 @@ def test_amp_levels_that_would_do_nothing_on_cpu_are_refused():
         staticpipe.PipelineOptimizer(pure_bf16()).amp_init(paddle.CPUPlace())
 
 
+@needs_cpu_bf16
 def test_bf16_parameter_copies_are_held_once_per_stage_not_per_micro_batch():
     """O1 casts every weight to bfloat16 in front of its matmul; the copy is the same for every micro-batch
     of a step, so each stage holds one (in its scope) instead of one per micro-batch in flight: the
@@ -451,6 +455,7 @@ np.savez(os.path.join(os.environ["OUT"], f"state_{{rank}}.npz"), **exe.state_dic
 """
 
 
+@needs_cpu_bf16
 def test_bf16_cut_variables_cross_processes(tmp_path):
     """decorate_bf16 on 2 launched processes: bfloat16 activations and gradients cross gloo (as Paddle's
     uint16 stand-in) and arrive as bfloat16; the state equals the threaded run's bit for bit."""
@@ -515,6 +520,7 @@ def test_a_stage_without_gradients_still_checks_and_keeps_the_loss_scale():
     exe.close()
 
 
+@needs_cpu_bf16
 def test_bfloat16_fetches_evaluation_and_verify_see_numbers_not_bit_patterns():
     """Paddle hands bfloat16 values out as uint16 bit patterns: the mean of a step's micro-batch losses,
     an evaluation's mean and verify's differences must be taken on the numbers. Pure bf16, 2 micro-batches:
@@ -558,7 +564,7 @@ def test_bfloat16_fetches_evaluation_and_verify_see_numbers_not_bit_patterns():
 
 
 @pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V"])
-def test_zero_bubble_keeps_the_weight_gradient_matmuls_in_w_under_amp(schedule):
+def test_zero_bubble_keeps_the_weight_gradient_matmuls_in_w_under_amp(schedule, bf16_kernels_assumed):
     """Under O1 a matmul's weight gradient is the gradient of the weight's bf16 copy: it still belongs to
     the W half of the backward (else the split buys nothing and B keeps weight-sized gradients for W)."""
     devices = LAYOUTS[schedule]
@@ -570,7 +576,7 @@ def test_zero_bubble_keeps_the_weight_gradient_matmuls_in_w_under_amp(schedule):
             assert ops("weight").count("mul_grad") == ops("forward").count("mul") >= 1, (stage.index, ops("weight"))
 
 
-def test_low_precision_cross_stage_sums_travel_as_float32():
+def test_low_precision_cross_stage_sums_travel_as_float32(bf16_kernels_assumed):
     """Pure bf16 with a global-norm clip: each stage's part of the norm is bfloat16. Parts are added by
     the channel (numpy on threads, gloo between processes), which would add bfloat16 bit patterns as
     integers, so the plan casts each part to float32 for the all-reduce and the total back. (Built only:
@@ -592,7 +598,7 @@ def test_low_precision_cross_stage_sums_travel_as_float32():
             assert block.var(cast_back.output("Out")[0]).dtype == bf16
 
 
-@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+@pytest.mark.parametrize("amp", ["fp16", pytest.param("bf16", marks=needs_cpu_bf16)])
 def test_the_gpt_example_trains_with_amp(amp, tmp_path):
     """examples/train_gpt.py --amp: verify passes at the precision's tolerance, the loss falls."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

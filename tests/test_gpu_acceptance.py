@@ -14,13 +14,14 @@ import time
 import pytest
 
 from staticpipe._paddle import paddle
+from staticpipe.capabilities import cpu_bf16
 
 pytestmark = pytest.mark.timeout(180)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench", "gpu_acceptance.py")
 ROWS = ["a. equivalence: MLP", "a. equivalence: ResNet (batch norm)", "a. equivalence: GPT (tied embedding)",
         "b. heterogeneous cpu+gpu: DLRM", "c. seed ResNet-50: 2 stages vs 1 GPU", "d. peak memory per stage",
-        "e. 2-process launch (NCCL)", "f. AMP fp16/bf16 across stages"]
+        "e. 2-process launch (NCCL)", "f. AMP fp16 across stages", "g. AMP bf16 across stages"]
 
 
 def load_bench():
@@ -31,8 +32,8 @@ def load_bench():
     return module
 
 
-def run_bench(*args, timeout=150):
-    env = dict(os.environ)
+def run_bench(*args, timeout=150, **env_vars):
+    env = dict(os.environ, **env_vars)
     env.pop("STATICPIPE_DEVICE_MAP", None)
     return subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=REPO)
@@ -59,14 +60,17 @@ def test_cpu_dry_run_passes_every_row_of_the_table(tmp_path):
     report = json.loads(rows_file.read_text())
     rows = report["rows"]
     assert [r["check"] for r in rows] == ROWS
-    assert all(r["status"] == "PASS" for r in rows), json.dumps(rows, indent=1)
+    bf16 = cpu_bf16().ok  # the bf16 row runs where this CPU runs bfloat16, and is skipped (not failed) elsewhere
+    assert [r["status"] for r in rows] == ["PASS"] * (len(ROWS) - 1) + ["PASS" if bf16 else "SKIP"], \
+        json.dumps(rows, indent=1)
     assert report["environment"].startswith("CPU DRY RUN (--cpu)") and "NOT GPU results" in report["environment"]
     # one table: a header, the Markdown header and rule, a line per row, the summary
     table = result.stdout.splitlines()
     assert table[0] == report["environment"]
     assert table[2:4] == ["| check | devices | result | status | seconds |", "| --- | --- | --- | --- | --- |"]
     assert [line.split(" | ")[0] for line in table[4:4 + len(ROWS)]] == [f"| {title}" for title in ROWS]
-    assert table[-1] == f"{len(ROWS)} checks: {len(ROWS)} passed, 0 failed, 0 skipped"
+    assert table[-1] == (f"{len(ROWS)} checks: {len(ROWS)} passed, 0 failed, 0 skipped" if bf16 else
+                         f"{len(ROWS)} checks: {len(ROWS) - 1} passed, 0 failed, 1 skipped")
     by_check = {r["check"]: r for r in rows}
     for title in ROWS[:4]:  # equivalence rows state their tolerance and the largest relative difference
         assert "max rel diff" in by_check[title]["result"] and "rtol 1e-05, atol 1e-06" in by_check[title]["result"]
@@ -77,12 +81,29 @@ def test_cpu_dry_run_passes_every_row_of_the_table(tmp_path):
     assert "stage 0 (gpu:0) activations" in by_check[ROWS[5]]["result"]
     assert "stage 1 (gpu:1) activations" in by_check[ROWS[5]]["result"]
     assert "gloo (CPU dry run)" in by_check[ROWS[6]]["result"]
-    amp = by_check[ROWS[7]]["result"]
-    assert all(f"{p} " in amp and "samples/s" in amp for p in ("fp32", "fp16", "bf16"))
-    assert "fp16 loss scale per stage {0: 32768.0, 1: 32768.0}" in amp and "bfloat16" in amp
+    fp16 = by_check[ROWS[7]]["result"]
+    assert all(f"{p} " in fp16 and "samples/s" in fp16 for p in ("fp32", "fp16"))
+    assert "fp16 loss scale per stage {0: 32768.0, 1: 32768.0}" in fp16
+    bf16_row = by_check[ROWS[8]]["result"]
+    if bf16:
+        assert all(f"{p} " in bf16_row and "samples/s" in bf16_row for p in ("fp32", "bf16")) and "bfloat16" in bf16_row
+    else:
+        assert bf16_row == f"skipped: this CPU cannot run bfloat16 through Paddle's oneDNN ({cpu_bf16().reason})"
     assert sorted(os.listdir(tmp_path / "logs")) == sorted(f"{key}.log" for key in
                                                            ("a-mlp", "a-resnet", "a-gpt", "b-dlrm", "c-seed",
-                                                            "d-memory", "e-launch", "f-amp"))
+                                                            "d-memory", "e-launch", "f-amp", "g-bf16"))
+
+
+def test_the_bf16_row_is_skipped_with_the_reason_on_a_cpu_without_bfloat16(tmp_path):
+    """oneDNN capped at AVX2 (any CPU then lacks bfloat16 kernels): the row says SKIP and why, not FAIL."""
+    rows_file = tmp_path / "rows.json"
+    result = run_bench("--cpu", "--quick", "--only", "g-bf16", "--json", str(rows_file), "--log-dir",
+                       str(tmp_path / "logs"), ONEDNN_MAX_CPU_ISA="AVX2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [row] = json.loads(rows_file.read_text())["rows"]
+    assert row["check"] == ROWS[8] and row["status"] == "SKIP"
+    assert row["result"].startswith("skipped: this CPU cannot run bfloat16 through Paddle's oneDNN (")
+    assert result.stdout.splitlines()[-1] == "1 checks: 0 passed, 0 failed, 1 skipped"
 
 
 def test_a_failing_check_is_reported_in_its_row_and_the_others_still_run(monkeypatch, capsys):

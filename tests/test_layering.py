@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "staticpipe"
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
     {"_paddle", "legacy_ir"},
-    {"ir", "pir_ir", "pir_view", "placement", "plan", "memory_model"},
+    {"ir", "pir_ir", "pir_view", "placement", "plan", "memory_model", "capabilities"},
     {"schedule"},
     {"io", "trace"},
     {"rewrite"},

@@ -16,6 +16,7 @@ import weakref
 from typing import Any, Callable
 
 from .._paddle import core, paddle
+from ..capabilities import bf16_kernel_op, require_bf16
 from ..placement import device_map, generic_place, launched_world, place_of
 from ..plan import Plan, Stage
 from . import watchdog
@@ -82,6 +83,17 @@ class Devices:
         if unloaded:
             raise ValueError(f"this process runs stages {[s.index for s in stages]}, but the section programs of "
                              f"stages {unloaded} were not loaded (staticpipe.load_plan(..., stages=...))")
+        return stages
+
+    def runnable_stages(self, plan: Plan) -> list[Stage]:
+        """``local_stages``, each checked before it first runs: a stage whose programs run bfloat16 kernels
+        on a CPU that cannot (``capabilities.require_bf16``) is refused here, where its place is
+        known (the device map may have moved it; a saved plan may come from another machine)."""
+        stages = self.local_stages(plan)
+        for stage in stages:
+            found = next(filter(None, (bf16_kernel_op(p) for s in stage.sections.values() for p in s.programs)), None)
+            if found:
+                require_bf16(stage.device, self.place_of(stage.device), f"stage {stage.index}'s {found[1]}")
         return stages
 
     def channel_for(self, plan: Plan) -> Channel:

@@ -24,13 +24,14 @@ def run_startup(devices: Devices, startup: framework.Program, plan: Plan) -> Non
     parameters float16/bfloat16 while the startup program makes float32 values, which Paddle's
     ``amp_init`` casts afterwards on one device; here every stage's copy is cast as it is placed (the
     float32 master weights are the optimizer's own persistables, initialised by the startup program)."""
+    stages = devices.runnable_stages(plan)  # refused before anything runs
     host = core.Scope()
     try:
         on_host = clear_device_tags(startup.clone())
         on_host.random_seed = startup.random_seed
         with pir_thread() if is_pir_program(startup) else contextlib.nullcontext():
             paddle.static.Executor(core.CPUPlace()).run(on_host, scope=host)
-        for stage in devices.local_stages(plan):
+        for stage in stages:
             worker = devices.worker(stage.device)
             dtypes = {name: declared_var(section.program, name)[1] for section in stage.sections.values()
                       for name, persistable in declared(section.program) if persistable}

@@ -105,7 +105,7 @@ class StepRunner:
         made here in the calling thread for each new fetch list."""
         programs = self._programs.get(plan)
         if programs is None:
-            local = self.devices.local_stages(plan)
+            local = self.devices.runnable_stages(plan)
             for stage in local:
                 missing = state.uninitialised(self.devices, stage)
                 if missing:

@@ -1,0 +1,145 @@
+"""staticpipe.capabilities: whether CPU stages can run bfloat16 is probed once, and a bf16 program on a
+CPU that cannot is refused before anything changes (at minimize) or runs (at its first run).
+
+The refusal tests force the probe's answer to "no", so they check the refusal on every machine; the
+probe itself is checked against ``ONEDNN_MAX_CPU_ISA=AVX2``, which caps oneDNN below bfloat16 on any CPU.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import staticpipe
+from models import build_mlp
+from pipeline_util import minimize
+from staticpipe import capabilities
+from staticpipe._paddle import PADDLE_MAJOR, paddle
+
+REASON = "could not create a primitive descriptor for a matmul primitive"
+
+
+@pytest.fixture
+def no_bf16(monkeypatch):
+    """The probe's answer forced to "no", as on an AVX2-only CPU."""
+    monkeypatch.setattr(capabilities, "_probed", {True: capabilities.Bf16Support(False, REASON),
+                                                   False: capabilities.Bf16Support(False, REASON)})
+
+
+def refusal(device: str, what: str) -> str:
+    flags = ", ".join(capabilities.cpu_flags()) or "none of " + ", ".join(capabilities.FLAGS)
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return (f"device {device!r} runs on the CPU, which cannot run {what} here: Paddle's oneDNN has no bfloat16 "
+            f"matmul on this CPU ({capabilities.cpu_model()}; flags: {flags}"
+            f"{'; ONEDNN_MAX_CPU_ISA=' + cap if cap else ''}), probe: {REASON!r}. bfloat16 on CPU needs AVX-512 "
+            "or AMX. Train in float32, or with float16 loss scaling (paddle.static.amp.decorate(optimizer), O1: "
+            "the scaling runs, in float32 on CPU), or put this stage on a GPU")
+
+
+def ops_of(program) -> list[tuple]:
+    return [(op.type, tuple(op.input_arg_names), tuple(op.output_arg_names)) for op in program.global_block().ops]
+
+
+def test_the_probe_runs_once_per_process_and_ir(monkeypatch):
+    calls = []
+    monkeypatch.setattr(capabilities, "_probed", {})
+    real = capabilities._probe
+    monkeypatch.setattr(capabilities, "_probe", lambda pir: calls.append(pir) or real(pir))
+    first = capabilities.cpu_bf16()
+    assert capabilities.cpu_bf16() is first
+    assert calls == [False]  # the suite builds legacy programs (conftest)
+
+
+def test_the_probe_sees_onednn_capped_below_bfloat16():
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes any CPU an AVX2-only one for oneDNN: the probe must say no, with
+    oneDNN's reason, and the command line prints it (as CI does first)."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-m", "staticpipe.capabilities"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"CPU: {capabilities.cpu_model()}, {os.cpu_count()} cores, flags: ")
+    assert ", ONEDNN_MAX_CPU_ISA=AVX2; Paddle " in line
+    assert "bfloat16 on CPU does not run (" in line, line
+
+
+def test_a_bf16_program_on_a_cpu_without_bf16_is_refused_at_minimize_before_it_changes(no_bf16):
+    net = build_mlp(num_stages=2, hidden=16, in_dim=8)
+    before = ops_of(net.main), ops_of(net.startup)
+    with pytest.raises(ValueError) as err:
+        minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=2))
+    assert str(err.value) == refusal("gpu:0", "a bfloat16 AMP program (its white-list ops cast to bfloat16)")
+    assert (ops_of(net.main), ops_of(net.startup)) == before
+    assert staticpipe.plan_of(net.main) is None
+
+
+def test_a_value_the_user_made_bfloat16_names_its_op_and_device(no_bf16):
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        with staticpipe.device_guard("gpu:0"):
+            x = paddle.static.data("x", [-1, 4], "float32")
+            h = paddle.static.nn.fc(x, 4)
+        with staticpipe.device_guard("gpu:1"):
+            low = paddle.cast(h, "bfloat16")
+            w = paddle.cast(paddle.static.create_parameter([4, 4], "float32"), "bfloat16")
+            product = paddle.cast(low, "float32")  # a cast of bfloat16 runs anywhere: not refused alone
+            low_mul = main.global_block().create_var(name="low_mul", dtype=low.dtype, shape=[-1, 4])
+            main.global_block().append_op(type="mul", inputs={"X": [low], "Y": [w]}, outputs={"Out": [low_mul]})
+            loss = paddle.mean(paddle.cast(low_mul, "float32") + product)
+        before = ops_of(main)
+        with pytest.raises(ValueError) as err:
+            staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=2).minimize(loss)
+    assert str(err.value) == refusal("gpu:1", f"op 'mul' on the bfloat16 value {low.name!r}")
+    assert ops_of(main) == before
+
+
+@pytest.mark.parametrize("amp", ["fp32", "fp16"])
+def test_programs_without_bfloat16_are_not_refused(no_bf16, amp):
+    net = build_mlp(num_stages=2, hidden=16, in_dim=8)
+    opt = paddle.optimizer.SGD(0.1)
+    minimize(net, paddle.static.amp.decorate(opt) if amp == "fp16" else opt, dict(num_microbatches=2))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    exe.run(net.main, feed=net.random_batch(4))
+    exe.close()
+
+
+def test_a_plan_built_where_bf16_runs_is_refused_at_its_first_run_where_it_does_not(bf16_kernels_assumed,
+                                                                                      monkeypatch):
+    """A plan built on a machine with bfloat16 kernels (or saved there) and run on one without: refused by
+    the executor before the startup program runs or a step starts, naming the stage's device."""
+    net = build_mlp(num_stages=2, hidden=16, in_dim=8)
+    minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=2))
+    monkeypatch.setattr(capabilities, "_probed", {False: capabilities.Bf16Support(False, REASON)})
+    exe = staticpipe.Executor()
+    with pytest.raises(ValueError) as err:
+        exe.run(net.startup)
+    found = capabilities.bf16_kernel_op(staticpipe.plan_of(net.main).stages[0].sections["forward"].program)
+    assert found[1].startswith("op 'mul'")  # the first fc's matmul (marked by decorate_bf16 on Paddle 2.6)
+    what = f"stage 0's {found[1]}"
+    assert str(err.value) == refusal("gpu:0", what)
+    assert exe._devices.workers == {}  # nothing was placed
+    with pytest.raises(ValueError) as err:
+        exe.run(net.main, feed=net.random_batch(4))
+    assert str(err.value) == refusal("gpu:0", what)
+    exe.close()
+
+
+@pytest.mark.skipif(PADDLE_MAJOR < 3, reason="PIR is Paddle 3's program IR")
+def test_a_pir_program_with_a_bfloat16_value_is_refused_at_minimize(no_bf16):
+    with paddle.pir_utils.IrGuard():
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        with paddle.static.program_guard(main, startup):
+            with staticpipe.device_guard("gpu:0"):
+                x = paddle.static.data("x", [-1, 4], "float32")
+                h = paddle.static.nn.fc(x, 4)
+            with staticpipe.device_guard("gpu:1"):
+                low = paddle.cast(h, "bfloat16")
+                loss = paddle.mean(paddle.cast(paddle.matmul(low, low, transpose_y=True), "float32"))
+            count = len(main.global_block().ops)
+            with pytest.raises(ValueError) as err:
+                staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=2).minimize(loss)
+        assert str(err.value) == refusal("gpu:1", "op 'pd_op.matmul' on bfloat16 values")
+        assert len(main.global_block().ops) == count
