@@ -45,6 +45,30 @@ class FeedSpec:
         return np.asarray(array, dtype=self.dtype)
 
 
+    def from_samples(self, values: list[Any]) -> np.ndarray:
+        """The batch of a sample or sample-list generator's ``values`` (one per sample), made as Paddle's
+        ``DataFeeder`` makes it: the samples are stacked and cast to the variable's dtype (as
+        ``np.array(samples, dtype)``: a float label becomes an int64 one, truncated), then reshaped to the
+        variable's shape when their dims differ in number (a flat 784-float image to [-1, 1, 28, 28], an int
+        label to [-1, 1]); a shape with more than one unknown dim is left as stacked. Every reader of
+        ``paddle.dataset.*`` relies on this. What Paddle refuses, this refuses, with Paddle's reason."""
+        array = stack_samples(self.name, values)
+        try:
+            array = array.astype(self.dtype)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"feed variable {self.name!r}: samples of dtype {array.dtype} cannot be converted to "
+                             f"its dtype {self.dtype} ({e})") from None
+        if array.ndim != len(self.shape) and sum(d < 0 for d in self.shape) <= 1:
+            try:
+                array = array.reshape(self.shape)
+            except ValueError:
+                raise ValueError(f"feed variable {self.name!r}: Reshape error. What is defined in data layer is "
+                                 f"{tuple(self.shape)}, but receive {array.shape} (a batch of {len(values)} samples; "
+                                 "Paddle's DataFeeder reshapes a batch whose dims differ in number from the "
+                                 "variable's, and fails alike)") from None
+        return self.convert(array)
+
+
 def _array(name: str, value: Any, what: str) -> np.ndarray:
     """``value`` as an array of numbers, or an error naming the feed variable and the value (``what``: which
     value it is). Why: numpy's own errors (ragged lists) name neither, and ``None`` would become an object array
@@ -104,12 +128,18 @@ def collate(names: Sequence[str], samples: Sequence[Any]) -> list[np.ndarray]:
 
 
 def to_batch(specs: Sequence[FeedSpec], item: tuple[str, Any]) -> Batch:
-    """The checked batch of a producer's item: ``("samples", list of samples)`` to stack, or ``("batch",
-    one whole batch)``; run on the consumer's thread so that errors reach the caller with their context."""
+    """The checked batch of a producer's item: ``("samples", list of samples)`` from a generator, made as
+    Paddle's ``DataFeeder`` makes it (``FeedSpec.from_samples``), or ``("batch", one whole batch)``, checked
+    as it is (Paddle feeds a batch as given); run on the consumer's thread so that errors reach the caller
+    with their context."""
     names = [spec.name for spec in specs]
     kind, payload = item
-    values = fields(names, collate(names, payload) if kind == "samples" else payload, "batch")
-    return {spec.name: spec.convert(value) for spec, value in zip(specs, values)}
+    if kind == "samples":
+        if not payload:
+            raise ValueError("cannot make a batch of an empty list of samples")
+        rows = [fields(names, sample, "sample") for sample in payload]
+        return {spec.name: spec.from_samples([row[i] for row in rows]) for i, spec in enumerate(specs)}
+    return {spec.name: spec.convert(value) for spec, value in zip(specs, fields(names, payload, "batch"))}
 
 
 def split_microbatches(batch: Batch, num_microbatches: int) -> list[Batch]:

@@ -6,6 +6,7 @@ exchanges) → schedule action lists lowered with the routes.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 from .._paddle import framework
@@ -16,6 +17,7 @@ from ..plan import FORWARD_ONLY, Plan
 from ..schedule import Schedule, get_kind, lower, make_schedule, validate
 from ..schedule.actions import F
 from ..schedule.simulate import StageCosts
+from .activations import as_activations
 from .memory import memory_model
 from .options import PlanOptions
 from .programs import MERGED_SUFFIX, section_runs
@@ -48,8 +50,9 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
     num_stages = len(assignment.devices)
     costs = options.costs(num_stages)
     m, mbs = options.num_microbatches, options.micro_batch_size
-    stages, routes, exchanges, data_vars, producers, replicated = build_sections(
-        program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split)
+    with contextlib.nullcontext() if isinstance(program, PirView) else as_activations(program):
+        stages, routes, exchanges, data_vars, producers, replicated = build_sections(
+            program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split)
     compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
                                                               costs)
     actions = lower(compute, routes)

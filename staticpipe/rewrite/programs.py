@@ -78,8 +78,15 @@ def append_comm_op(block: framework.Block, op_type: str, var: CutVar, peer: int,
     attrs = {"ring_id": 0, "peer": peer, "use_calc_stream": True,
              "dynamic_shape": any(d < 1 for d in shape)}  # unknown dims travel with the tensor
     if op_type == "recv_v2":
-        attrs.update(out_shape=shape, dtype=block.var(var.name).dtype)
-        return append_tagged_op(block, op_type, device, role, outputs={"Out": [var.name]}, attrs=attrs)
+        # Paddle's recv_v2 shape inference refuses a 0-D out_shape (a loss or a norm made on one stage and
+        # read on another); the op records the transfer and never runs, so it is built with [1] and told
+        # the truth afterwards, the variable keeping its declared 0-D shape
+        attrs.update(out_shape=shape or [1], dtype=block.var(var.name).dtype)
+        index = append_tagged_op(block, op_type, device, role, outputs={"Out": [var.name]}, attrs=attrs)
+        if not shape:
+            block.ops[index]._set_attr("out_shape", [])
+            block.var(var.name).desc.set_shape([])
+        return index
     return append_tagged_op(block, op_type, device, role, inputs={"X": [var.name]}, attrs=attrs)
 
 

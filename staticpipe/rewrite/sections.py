@@ -76,10 +76,12 @@ def step_values(block: framework.Block, assignment: StageAssignment) -> frozense
             readers.setdefault(name, set()).add(assignment.stage[i])
     found = set()
     for i, op in enumerate(block.ops):
-        if assignment.role[i] == FWD and op.type == "cast" and op.input("X")[0] in params:
-            out = op.output("Out")[0]
-            if not block._var_recursive(out).persistable and readers.get(out, set()) <= {assignment.stage[i]}:
-                found.add(out)
+        if assignment.role[i] != FWD or op.type != "cast":
+            continue
+        [source], [out] = op.input_arg_names, op.output_arg_names  # PIR names a cast's slots x and out
+        if source in params and not block._var_recursive(out).persistable and \
+                readers.get(out, set()) <= {assignment.stage[i]}:
+            found.add(out)
     return frozenset(found)
 
 

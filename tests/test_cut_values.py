@@ -1,0 +1,137 @@
+"""Every kind of value a stage may hand to another crosses correctly: a 0-D value (an auxiliary loss made
+on one stage and added to the loss on another, as MoE balancing losses and per-stage regularizers are),
+an integer, a boolean, a float16 and a bfloat16 value, and a value read by several later stages. Each
+is checked against single-device training of the same program (rtol 1e-5), in threads and launched.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import staticpipe
+from models.network import Network
+from pipeline_util import assert_same_training, train_twins
+from staticpipe._paddle import PADDLE_MAJOR, np, paddle
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def kinds_net(guarded: bool = True) -> Network:
+    """Three stages; stage 0 hands over h (read by stages 1 and 2), a 0-D auxiliary loss (read on stage 2
+    only: it passes stage 1 by), int64 arg-maxes, a boolean mask and float16/bfloat16 copies of h."""
+    def on(device):
+        return staticpipe.device_guard(device) if guarded else _nothing()
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    startup.random_seed = 7
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        with on("gpu:0"):
+            x = paddle.static.data("features", [None, 6], "float32")
+            h = paddle.static.nn.fc(x, 8, activation="tanh")
+            aux = paddle.mean(h * h)  # 0-D
+            top = paddle.argmax(h, axis=1, keepdim=True)  # int64 [-1, 1]
+            mask = h > 0.2  # bool
+            half = paddle.cast(h, "float16")
+            brain = paddle.cast(h, "bfloat16")
+        with on("gpu:1"):
+            back = paddle.cast(half, "float32") + paddle.cast(brain, "float32")
+            g = paddle.static.nn.fc(back * paddle.cast(mask, "float32") + h, 8, activation="tanh")
+            g = g + 0.1 * paddle.cast(top, "float32")
+        with on("gpu:2"):
+            label = paddle.static.data("label", [None, 1], "int64")
+            logits = paddle.static.nn.fc(g + h, 3)
+            ce = paddle.mean(paddle.nn.functional.cross_entropy(logits, label, reduction="none"))
+            loss = ce + 0.05 * aux + 0.01 * paddle.mean(paddle.cast(top, "float32"))
+    return Network(main, startup, [x, label], loss, {"logits": logits}, ["gpu:0", "gpu:1", "gpu:2"] if guarded else [])
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "F-then-B", "ZB-H1"])
+def test_every_kind_of_value_crosses_stages_like_one_device(schedule):
+    twin = train_twins(kinds_net, lambda: paddle.optimizer.Momentum(0.1, momentum=0.9), steps=3, batch_size=8,
+                       num_microbatches=4, schedule=schedule)
+    assert_same_training(twin)
+    crossing = {v.name: v for r in twin.plan.routes if r.src.kind == "forward" for v in r.vars}
+    dtypes = sorted({v.dtype for v in crossing.values()})
+    assert dtypes == ["bool", "float16", "float32", "int64", "uint16"], dtypes  # uint16: bfloat16
+    assert any(v.shape == () for v in crossing.values())  # the 0-D auxiliary loss
+
+
+def kinds_layers():
+    """The same kinds on a PIR program (test_pir's feeds x and y)."""
+    from test_pir import CLASSES, FEATURES
+
+    x = paddle.static.data("x", [None, FEATURES], "float32")
+    y = paddle.static.data("y", [None, 1], "int64")
+    with staticpipe.device_guard("gpu:0"):
+        h = paddle.static.nn.fc(x, 8, activation="tanh")
+        aux, top, mask = paddle.mean(h * h), paddle.argmax(h, axis=1, keepdim=True), h > 0.2
+        half, brain = paddle.cast(h, "float16"), paddle.cast(h, "bfloat16")
+    with staticpipe.device_guard("gpu:1"):
+        back = paddle.cast(half, "float32") + paddle.cast(brain, "float32")
+        g = paddle.static.nn.fc(back * paddle.cast(mask, "float32") + h, 8, activation="tanh")
+        g = g + 0.1 * paddle.cast(top, "float32")
+    with staticpipe.device_guard("gpu:2"):
+        logits = paddle.static.nn.fc(g + h, CLASSES)
+        ce = paddle.mean(paddle.nn.functional.cross_entropy(logits, y))
+        return ce + 0.05 * aux + 0.01 * paddle.mean(paddle.cast(top, "float32"))
+
+
+@pytest.mark.skipif(PADDLE_MAJOR < 3, reason="PIR is Paddle 3's program IR")
+@pytest.mark.parametrize("schedule", ["1F1B", "ZB-H1"])
+def test_every_kind_of_value_crosses_stages_on_pir(schedule):
+    from test_pir import assert_same, train_twins as pir_twins
+
+    with paddle.pir_utils.IrGuard():
+        *result, opt = pir_twins(kinds_layers, lambda: paddle.optimizer.Momentum(0.1, momentum=0.9),
+                                 dict(num_microbatches=4, schedule=schedule))
+    assert_same(*result, tol=1e-5)
+    crossing = {v.name: v for r in opt.plan.routes if r.src.kind == "forward" for v in r.vars}
+    assert sorted({v.dtype for v in crossing.values()}) == ["bool", "float16", "float32", "int64", "uint16"]
+    assert any(v.shape == () for v in crossing.values())
+
+
+SCRIPT = """
+import os, sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+import staticpipe
+from pipeline_util import minimize
+from test_cut_values import kinds_net
+net = kinds_net()
+minimize(net, staticpipe._paddle.paddle.optimizer.Momentum(0.1, momentum=0.9), dict(num_microbatches=4))
+exe = staticpipe.Executor()
+exe.run(net.startup)
+for step in range(3):
+    exe.run(net.main, feed=net.random_batch(8, seed=step))
+rank = os.environ.get("PADDLE_TRAINER_ID", "single")
+np.savez(os.path.join({out!r}, f"state_{{rank}}.npz"), **exe.state_dict(net.main))
+"""
+
+
+def test_every_kind_of_value_crosses_processes(tmp_path):
+    """Three launched processes (gloo) train exactly as the threaded run does, bit for bit."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(repo=repo, tests=os.path.join(repo, "tests"), out=str(tmp_path)))
+    for cmd in ([sys.executable, str(script)], [sys.executable, "-m", "staticpipe.launch", "--nprocs", "3", str(script)]):
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    single = dict(np.load(tmp_path / "state_single.npz"))
+    launched = {}
+    for rank in range(3):
+        launched.update(np.load(tmp_path / f"state_{rank}.npz"))
+    assert sorted(launched) == sorted(single)
+    for name, value in single.items():
+        np.testing.assert_array_equal(launched[name], value, err_msg=name)
