@@ -210,7 +210,8 @@ def _check_bf16(inner: Any, program: Any) -> None:
 def _tag(op: Any) -> str | None:
     """The normalised ``op_device`` of a legacy or PIR op, or None."""
     if hasattr(op, "str_attr"):
-        return str(placement.parse_device(op.str_attr(OP_DEVICE))) if op.has_attr(OP_DEVICE) else None
+        tag = op.str_attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
+        return str(placement.parse_device(tag)) if tag and tag != placement.ALL_DEVICES else None
     return placement.op_device(op)
 
 

@@ -49,19 +49,36 @@ def parse_device(device: str) -> Device:
     return Device(kind, 0 if kind == "cpu" else index)
 
 
+ALL_DEVICES = "gpu:all"  # Paddle's guard for ops every stage that needs their output may run
+
+
 def op_device(op: framework.Operator) -> str | None:
-    """The normalised device an op's ``op_device`` tag names, or None for an untagged op."""
+    """The normalised device an op's ``op_device`` tag names, or None for an untagged op and for one tagged
+    ``"gpu:all"``: both are stage-free, and go where their inputs and readers put them."""
     dev = op.attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
-    return str(parse_device(dev)) if dev else None
+    return str(parse_device(dev)) if dev and dev.strip().lower() != ALL_DEVICES else None
 
 
 @contextlib.contextmanager
-def device_guard(device: str) -> Iterator[Device]:
+def device_guard(device: str) -> Iterator[Device | None]:
     """Tag every op created inside the block with ``device``; the innermost guard wins.
 
     >>> with staticpipe.device_guard("gpu:1"):
     ...     logits = paddle.static.nn.fc(h, 10)
+
+    ``"gpu:all"`` is Paddle's: ops every stage that reads their output may run (a scaled learning rate, a
+    constant). They are stage-free, as unguarded ops are: a forward op runs on the first stage that
+    needs its value (after its inputs' stages) and the value is sent to later readers with the
+    micro-batch; an optimizer-phase op runs on every stage that needs it. The guard yields None.
     """
+    if isinstance(device, str) and device.strip().lower() == ALL_DEVICES:
+        with paddle.static.device_guard(ALL_DEVICES):
+            if pir_mode():
+                with guarded(paddle.static.default_main_program().global_block(), ALL_DEVICES):
+                    yield None
+            else:
+                yield None
+        return
     parsed = parse_device(device)
     with paddle.static.device_guard(str(parsed)):
         if pir_mode():  # Paddle's guard records nothing on PIR ops: staticpipe tags them itself

@@ -105,3 +105,50 @@ def test_a_persistable_activation_trains_as_an_activation_and_is_fetched_whole()
     np.testing.assert_allclose(fetched, expected, rtol=1e-6)
     assert last_hidden.shape == (M * MBS, 8)
     exe.close()
+
+
+def all_devices_network(pipelined: bool):
+    """Paddle's "gpu:all": a constant and a value computed from it, read on both stages."""
+    guard = staticpipe.device_guard if pipelined else (lambda device: contextlib.nullcontext())
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    startup.random_seed = 5
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        with guard("gpu:all"):
+            temperature = paddle.full([1], 2.0, "float32")
+            inverse = 1.0 / temperature
+        with guard("gpu:0"):
+            x = paddle.static.data("x", [-1, 6], "float32")
+            label = paddle.static.data("label", [-1, 1], "int64")
+            hidden = paddle.static.nn.fc(x, 8, activation="tanh") * inverse
+        with guard("gpu:1"):
+            logits = paddle.static.nn.fc(hidden, 3) * inverse
+            loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, label))
+        opt = paddle.optimizer.Momentum(0.1, momentum=0.9)
+        if pipelined:
+            opt = staticpipe.PipelineOptimizer(opt, num_microbatches=M)
+        opt.minimize(loss)
+    return main, startup, loss
+
+
+def test_gpu_all_ops_run_where_their_values_are_needed():
+    ref_main, ref_startup, ref_loss = all_devices_network(False)
+    main, startup, loss = all_devices_network(True)
+    exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    exe.run(ref_startup, scope=scope)
+    names = [p.name for p in ref_main.all_parameters()]
+    pipe = staticpipe.Executor()
+    pipe.run(startup)
+    pipe.set_state_dict(main, {n: np.array(scope.find_var(n).get_tensor()) for n in names})
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        batch = {"x": rng.standard_normal((M * MBS, 6)).astype(np.float32),
+                 "label": rng.integers(0, 3, (M * MBS, 1)).astype(np.int64)}
+        [want] = exe.run(ref_main, feed=batch, fetch_list=[ref_loss], scope=scope)
+        [got] = pipe.run(main, feed=batch, fetch_list=[loss])
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    state = pipe.state_dict(main)
+    for name in names:
+        np.testing.assert_allclose(state[name], np.array(scope.find_var(name).get_tensor()), rtol=1e-5, atol=1e-7)
+    plan = staticpipe.plan_of(main)
+    assert plan.devices == ["gpu:0", "gpu:1"]  # "gpu:all" names no stage of its own
+    pipe.close()

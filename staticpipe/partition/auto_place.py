@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from .._paddle import OP_DEVICE, framework, np
 from ..io import DataLoader
 from ..ir import refuse_pir
-from ..placement import SPLIT_POINTS, parse_device
+from ..placement import SPLIT_POINTS, op_device, parse_device
 from ..rewrite.stages import op_label, role_of
 from ..schedule import Action, Kind, check_microbatches, get_kind, make_schedule, simulate
 from ..schedule.simulate import peak_inflight
@@ -260,10 +260,9 @@ def _allowed(ops: list, layers: list[Layer], devices: list[str]) -> np.ndarray:
     pinned: list[tuple[int, str]] = []  # (first op of a guarded layer, its device)
     for layer in layers:
         i = layer.ops[0]
-        tag = ops[i].attr(OP_DEVICE) if ops[i].has_attr(OP_DEVICE) else ""
-        if not tag:
+        device = op_device(ops[i])
+        if device is None:
             continue
-        device = str(parse_device(tag))
         if device not in devices:
             raise ValueError(f"{op_label(i, ops[i])} is guarded on '{device}', which is not among the devices "
                              f"{devices}")
