@@ -14,7 +14,8 @@ from .saved_plan import load_plan, save_plan
 from .export import export_inference
 from .partition import auto_place, auto_plan, profile
 from .verify import VerifyReport, verify
+from . import fleet  # noqa: E402  (Paddle's fleet names, after the executor it builds on)
 
 __all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError", "NonFiniteError",
            "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference",
-           "auto_place", "auto_plan", "profile", "save_plan", "load_plan", "use_legacy_ir"]
+           "auto_place", "auto_plan", "profile", "save_plan", "load_plan", "use_legacy_ir", "fleet"]

@@ -159,7 +159,8 @@ def describe() -> str:
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
     with _static_mode():
         ir = "PIR" if pir_mode() else "legacy IR"
-    return (f"CPU: {cpu_model()}, {os.cpu_count()} cores, flags: {' '.join(cpu_flags()) or 'none of ' + ' '.join(FLAGS)}"
+    flags = " ".join(cpu_flags()) or "none of " + " ".join(FLAGS)
+    return (f"CPU: {cpu_model()}, {os.cpu_count()} cores, flags: {flags}"
             f"{f', ONEDNN_MAX_CPU_ISA={cap}' if cap else ''}; Paddle {paddle.__version__} "
             f"({ir}): bfloat16 on CPU "
             + ("runs" if support.ok else f"does not run ({support.reason})"))

@@ -66,7 +66,7 @@ class Executor:
     def run(self, program: framework.Program | None = None, feed: dict | list | None = None,
             fetch_list: Sequence | None = None, feed_var_name: str = "feed", fetch_var_name: str = "fetch",
             scope: Any = None, return_numpy: bool = True, use_program_cache: bool = False,
-            use_prune: bool = False) -> list:
+            return_merged: bool = True, use_prune: bool = False) -> list:
         """Run ``program`` once (Paddle's signature).
 
         - a startup program of a pipelined program: initialise once on the host, then give each stage
@@ -75,16 +75,20 @@ class Executor:
           one-element list of it), split into the plan's micro-batches; with no feed, one step of
           ``num_microbatches`` batches from the started loader feeding the program (Paddle's loader
           convention), raising ``core.EOFException`` at the end of its epoch. Values come back as numpy
-          arrays; ``scope`` must be None (each device keeps its own);
+          arrays, merged over the step's micro-batches (batched values concatenated, others averaged: the
+          global batch's value); ``return_merged=False`` gives each as the list of its per-micro-batch
+          values instead (Paddle's pipeline fetches the last micro-batch's: ``values[-1]``); ``scope`` must
+          be None (each device keeps its own);
         - any other program: plain Paddle execution on ``place`` with the state the stages hold (so an
           evaluation clone of a pipelined program sees the trained values), every argument as Paddle's.
         """
         with self._open():
             return self._run(program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
-                             use_program_cache, use_prune)
+                             use_program_cache, return_merged, use_prune)
 
     def _run(self, program: framework.Program | None, feed: Any, fetch_list: Sequence | None, feed_var_name: str,
-             fetch_var_name: str, scope: Any, return_numpy: bool, use_program_cache: bool, use_prune: bool) -> list:
+             fetch_var_name: str, scope: Any, return_numpy: bool, use_program_cache: bool, return_merged: bool,
+             use_prune: bool) -> list:
         program = program if program is not None else paddle.static.default_main_program()
         plan = plan_of(program)
         if plan is not None and is_startup(program):
@@ -94,23 +98,25 @@ class Executor:
             scope = scope if scope is not None else self._plain_scope
             state.copy_stage_state(self._devices, program, scope, self.place)
             return self._plain.run(program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
-                                   use_program_cache, use_prune)
+                                   use_program_cache, return_merged=return_merged, use_prune=use_prune)
         if scope is not None:
             raise ValueError("scope must be None for a pipelined program: each device keeps its own scope "
                              "(Executor.scope_of(device))")
         feed = _one_feed(feed)
         if not feed and plan.data_vars:
             loader = loader_for(program, plan, None, "Executor.run")
-            return self.step(program, take_step(loader, plan.num_microbatches), fetch_list)
-        return self._pipelined(program, plan, fetch_list, lambda names: self._steps.run(plan, feed, names))
+            return self.step(program, take_step(loader, plan.num_microbatches), fetch_list, return_merged)
+        return self._pipelined(program, plan, fetch_list,
+                               lambda names: self._steps.run(plan, feed, names, return_merged))
 
-    def step(self, program: framework.Program, microbatches: list[dict], fetch_list: Sequence | None = None) -> list:
+    def step(self, program: framework.Program, microbatches: list[dict], fetch_list: Sequence | None = None,
+             return_merged: bool = True) -> list:
         """One step of pipelined ``program`` on ``microbatches`` (``num_microbatches`` batches, as a loader
-        gives them); the fetched values, merged over the micro-batches."""
+        gives them); the fetched values, merged over the micro-batches (or per micro-batch: ``run``)."""
         with self._open():
             plan = require_plan(program, "step")
-            return self._pipelined(program, plan, fetch_list,
-                                   lambda names: self._steps.run_microbatches(plan, list(microbatches), names))
+            return self._pipelined(program, plan, fetch_list, lambda names: self._steps.run_microbatches(
+                plan, list(microbatches), names, return_merged))
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[None]:
@@ -190,7 +196,7 @@ class Executor:
             twin = program.clone(for_test=True)
             setattr(twin, SPLIT_POINTS, set(getattr(program, SPLIT_POINTS, ())))  # forward op indices are kept
             attach_plan(build_forward_plan(twin, plan.num_microbatches, len(plan.stages) > len(plan.ranks),
-                                           dp_degree=plan.dp_degree), twin)
+                                           dp_degree=plan.dp_degree, replica_batches=plan.replica_batches), twin)
             self._forward_twins[plan] = twin
         return self._forward_twins[plan]
 

@@ -43,17 +43,21 @@ class PipelineOptimizer:
     processes (``python -m staticpipe.launch``): replica k is processes k x devices ... (k+1) x devices - 1,
     trains on the k-th slice of every global batch, and the replicas average their accumulated gradients
     before each update, so training equals one pipeline (and one device) on the global batch.
+    ``replica_batches``: "split" (the default, above) or "own", Paddle's fleet meaning: every process is fed
+    its own replica's batches (a loader batch is that replica's micro-batch, so the global batch is
+    dp_degree x num_microbatches x micro_batch_size), as ``staticpipe.fleet`` builds it.
     """
 
     def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str | dict = "1F1B",
                  micro_batch_size: int | None = None, recompute: bool | list[int] = False,
-                 dp_degree: int = 1, schedule_costs: StageCosts | None = None):
+                 dp_degree: int = 1, schedule_costs: StageCosts | None = None, replica_batches: str = "split"):
         if not _is_paddle_optimizer(optimizer):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, or one decorated by Paddle's static AMP "
                              f"(paddle.static.amp.decorate, paddle.static.amp.bf16.decorate_bf16), got "
                              f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         self.inner = optimizer
-        self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree)
+        self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree,
+                                   replica_batches)
         self.plan: Plan | None = None
 
     def _option(name: str) -> property:  # noqa: N805  (a property factory, used in the class body)
@@ -67,6 +71,7 @@ class PipelineOptimizer:
     recompute = _option("recompute")
     dp_degree = _option("dp_degree")
     schedule_costs = _option("schedule_costs")
+    replica_batches = _option("replica_batches")
     del _option
 
     def amp_init(self, place: Any = None, scope: Any = None, test_program: Any = None, **kwargs: Any) -> None:
@@ -89,6 +94,12 @@ class PipelineOptimizer:
         raise AttributeError(f"'PipelineOptimizer' object has no attribute {name!r}; to train with AMP, wrap the "
                              "AMP-decorated optimizer in it instead: "
                              "PipelineOptimizer(paddle.static.amp.decorate(optimizer), ...)")
+
+    def layout(self, loss: Any) -> tuple[Any, list[str], list[int]]:
+        """(stage assignment, the distinct devices, each stage's device index) of ``loss``'s forward program
+        under these options, on either IR, before ``minimize`` changes anything (``rewrite.check_layout``)."""
+        program = loss.block.program
+        return check_layout(PirView(program, Gradients(), loss) if is_pir_value(loss) else program, self.options)
 
     def minimize(self, loss: framework.Variable, startup_program: framework.Program | None = None,
                  parameters: Any = None, no_grad_set: Any = None) -> tuple[list, list]:

@@ -217,6 +217,7 @@ class Plan:
     micro_batch_size: int | None = None  # compiled at rewrite time; None: fixed by the first batch
     notes: tuple[str, ...] = ()
     dp_degree: int = 1  # data-parallel replicas of the whole pipeline (one process per stage rank each)
+    replica_batches: str = "split"  # "split": each feed is split among the replicas; "own": each is its replica's
     memory: MemoryModel | None = None  # predicted bytes per stage and device (training plans)
 
     def __post_init__(self) -> None:

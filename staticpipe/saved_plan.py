@@ -21,7 +21,7 @@ import io
 import json
 import os
 import pickle
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any, Callable, Iterable, Mapping
 
 from ._paddle import framework, paddle
@@ -254,7 +254,8 @@ def _decode_plan(data: dict[str, Any], plan_file: str,
             replicated={int(op): why for op, why in data["replicated"].items()},
             memory=_decode_memory(data.get("memory")),  # absent from plans saved before the memory model
         )
-        return Plan(**{f.name: data[f.name] for f in fields(Plan) if f.name not in decoded}, **decoded)
+        return Plan(**{f.name: data[f.name] for f in fields(Plan)  # a plan saved before a field with a default
+                       if f.name not in decoded and (f.name in data or f.default is MISSING)}, **decoded)
     except KeyError as exc:
         raise ValueError(f"{plan_file!r} lacks the plan field {exc}") from None
 

@@ -463,12 +463,14 @@ CASES = [
          exactly("batch size 1 of feed variable 'features' is not divisible by num_microbatches=2; use a batch size "
                  "that is a multiple of 2 (e.g. 2)")),
     Case("feed-micro-batch-size-bound", lambda tmp: exe().run(net().main, feed=batch(12)), ValueError,
-         exactly("micro-batch size 6 differs from the plan's compiled micro-batch size 4 (global batch 8 with "
-                 "num_microbatches=2); every batch must have the same size")),
+         exactly("micro-batch size 6 differs from the first step's micro-batch size 4 the plan runs; every "
+                 "micro-batch must have the same size: feed micro-batches (loader batches) of 4 samples, or global "
+                 "batches of 8 (num_microbatches=2)")),
     Case("feed-micro-batch-size-compiled", lambda tmp: compiled()[1].run(
         compiled()[0].main, feed=compiled()[0].random_batch(12)), ValueError,
-         exactly("micro-batch size 6 differs from the plan's compiled micro-batch size 4 (global batch 8 with "
-                 "num_microbatches=2); every batch must have the same size")),
+         exactly("micro-batch size 6 differs from micro_batch_size=4 the plan runs; every micro-batch must have the "
+                 "same size: feed micro-batches (loader batches) of 4 samples, or global batches of 8 "
+                 "(num_microbatches=2), or build the plan with micro_batch_size=6")),
     Case("feed-string", lambda tmp: exe().run(net().main, feed="features"), ValueError,
          exactly("feed must be a dict {data variable name: array} (or a list holding one), got str")),
     Case("feed-list-of-a-non-dict", lambda tmp: exe().run(net().main, feed=[batch()["features"]]), ValueError,

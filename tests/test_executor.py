@@ -121,8 +121,9 @@ def test_bad_feeds_are_named():
         exe.run(net.main, feed={"features": np.zeros((16, 65), "float32"), "label": batch["label"]})
     exe.run(net.main, feed=batch)
     with pytest.raises(ValueError, match=re.escape(
-            "micro-batch size 2 differs from the plan's compiled micro-batch size 4 (global batch 16 with "
-            "num_microbatches=4); every batch must have the same size")):
+            "micro-batch size 2 differs from the first step's micro-batch size 4 the plan runs; every micro-batch "
+            "must have the same size: feed micro-batches (loader batches) of 4 samples, or global batches of 16 "
+            "(num_microbatches=4)")):
         exe.run(net.main, feed=net.random_batch(8))
 
 

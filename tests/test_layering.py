@@ -22,7 +22,7 @@ LAYERS = [
     {"rewrite"},
     {"runtime"},
     {"", "executor", "train", "checkpoint", "atomic", "pickled_arrays", "saved_plan", "verify", "export", "partition",
-     "optimizer", "launch"},
+     "optimizer", "launch", "fleet"},
 ]
 # besides: the runtime executes plans without knowing how they are made, and saved plans and partitioning
 # work without the runtime

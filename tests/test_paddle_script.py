@@ -170,8 +170,9 @@ def test_micro_batch_sizes_must_agree():
     exe.run(net.startup)
     loader = started_loader(net, batch_size=MBS + 1)
     with pytest.raises(ValueError, match=re.escape(
-            "micro-batch size 5 differs from the plan's compiled micro-batch size 4 (global batch 16 with "
-            "num_microbatches=4)")):
+            "micro-batch size 5 differs from micro_batch_size=4 the plan runs; every micro-batch must have the same "
+            "size: feed micro-batches (loader batches) of 4 samples, or global batches of 16 (num_microbatches=4), "
+            "or build the plan with micro_batch_size=5")):
         exe.train_from_dataset(net.main)
     loader.reset()
     odd = [net.random_batch(MBS), net.random_batch(MBS), net.random_batch(MBS + 2), net.random_batch(MBS)]

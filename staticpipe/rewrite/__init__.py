@@ -65,6 +65,7 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 data_vars=data_vars, data_specs=_data_specs(program, data_vars, m), loss=loss_name,
                 producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
                 replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree,
+                replica_batches=options.replica_batches,
                 memory=memory_model(stages, actions, ranks))
 
 
@@ -93,11 +94,13 @@ def check_layout(program: framework.Program, options: PlanOptions) -> tuple[Stag
 
 
 def build_forward_plan(program: framework.Program, num_microbatches: int = 1, chunked: bool = False,
-                       micro_batch_size: int | None = None, dp_degree: int = 1) -> Plan:
+                       micro_batch_size: int | None = None, dp_degree: int = 1,
+                       replica_batches: str = "split") -> Plan:
     """A forward-only plan for an evaluation program (``main.clone(for_test=True)`` taken before
     ``minimize``): the same stages as training, every rank running its forwards micro-batch by
-    micro-batch. ``chunked`` and ``dp_degree`` must match the training plan's."""
-    options = PlanOptions(num_microbatches, micro_batch_size=micro_batch_size, dp_degree=dp_degree)
+    micro-batch. ``chunked``, ``dp_degree`` and ``replica_batches`` must match the training plan's."""
+    options = PlanOptions(num_microbatches, micro_batch_size=micro_batch_size, dp_degree=dp_degree,
+                          replica_batches=replica_batches)
     if is_pir_program(program):  # read through a view, which also names the values a fetch list gives
         program = PirView(program, Gradients(), None).attach()
     assignment = assign_stages(program, chunked=chunked)
@@ -113,7 +116,7 @@ def build_forward_plan(program: framework.Program, num_microbatches: int = 1, ch
     return Plan(stages=tuple(stages), routes=tuple(routes), num_microbatches=num_microbatches, schedule=FORWARD_ONLY,
                 actions=lower(compute, routes), ranks=tuple(ranks), data_vars=data_vars,
                 data_specs=_data_specs(program, data_vars, num_microbatches), loss="", producers=producers,
-                micro_batch_size=micro_batch_size, dp_degree=options.dp_degree)
+                micro_batch_size=micro_batch_size, dp_degree=options.dp_degree, replica_batches=replica_batches)
 
 
 def _data_specs(program: framework.Program, data_vars: dict, num_microbatches: int) -> dict:

@@ -15,6 +15,11 @@ from ..schedule.registry import KINDS, check_costs
 from ..schedule.simulate import StageCosts
 
 
+# how data-parallel replicas take their data: "split" (staticpipe's): every process is fed the same batch and
+# replica k trains on its k-th slice; "own" (Paddle's fleet): every process is fed its own replica's batch
+REPLICA_BATCHES = ("split", "own")
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """``schedule`` is a name (kept as its canonical spelling) or a custom schedule (a dict, or text
@@ -26,6 +31,7 @@ class PlanOptions:
     recompute: bool | Iterable[int] = False
     schedule_costs: StageCosts | None = None
     dp_degree: int = 1
+    replica_batches: str = "split"
 
     def __post_init__(self) -> None:
         check_microbatches(self.num_microbatches)
@@ -37,6 +43,8 @@ class PlanOptions:
             raise ValueError(f"micro_batch_size must be a positive integer or None, got {self.micro_batch_size!r}")
         if not isinstance(self.dp_degree, int) or isinstance(self.dp_degree, bool) or self.dp_degree < 1:
             raise ValueError(f"dp_degree must be an integer >= 1, got {self.dp_degree!r}")
+        if self.replica_batches not in REPLICA_BATCHES:
+            raise ValueError(f"replica_batches must be one of {list(REPLICA_BATCHES)}, got {self.replica_batches!r}")
         if self.schedule_costs is not None and self.custom is not None:
             aware = ", ".join(k.name for k in KINDS.values() if k.cost_aware)
             raise ValueError(f"schedule_costs plans the order of a named schedule ({aware}); a custom schedule "

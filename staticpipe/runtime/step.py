@@ -47,15 +47,17 @@ class StepRunner:
         """The plan's compiled micro-batch size, or the one its first step fixed (None before)."""
         return plan.micro_batch_size or self._bound.get(plan)
 
-    def run(self, plan: Plan, batch: dict[str, Any], fetch: list[str]) -> list:
+    def run(self, plan: Plan, batch: dict[str, Any], fetch: list[str], merged: bool = True) -> list:
         """One step of ``plan`` on the global batch ``batch``, split into the plan's micro-batches; the
-        values of ``fetch`` (None for a value another process computes)."""
+        values of ``fetch`` (None for a value another process computes), merged over the micro-batches or,
+        ``merged=False``, each a list of its per-micro-batch values."""
         batch = _checked(plan, batch, "feed")
         if plan.dp_degree > 1:
             batch = self._replica_slice(plan, batch, "global batch")
-        return self._step(plan, split_microbatches(batch, plan.num_microbatches), fetch)
+        return self._step(plan, split_microbatches(batch, plan.num_microbatches), fetch, merged)
 
-    def run_microbatches(self, plan: Plan, microbatches: list[dict[str, Any]], fetch: list[str]) -> list:
+    def run_microbatches(self, plan: Plan, microbatches: list[dict[str, Any]], fetch: list[str],
+                         merged: bool = True) -> list:
         """One step of ``plan`` on ``microbatches``, one batch each (Paddle's pipeline convention: a loader
         batch is a micro-batch). With data parallelism each replica takes its slice of every one."""
         if len(microbatches) != plan.num_microbatches:
@@ -67,9 +69,9 @@ class StepRunner:
             raise ValueError(f"the micro-batches of a step must have one size; got sizes {sizes}")
         if plan.dp_degree > 1:
             micro = [self._replica_slice(plan, mb, "micro-batch") for mb in micro]
-        return self._step(plan, micro, fetch)
+        return self._step(plan, micro, fetch, merged)
 
-    def _step(self, plan: Plan, micro: list[dict[str, np.ndarray]], fetch: list[str]) -> list:
+    def _step(self, plan: Plan, micro: list[dict[str, np.ndarray]], fetch: list[str], merged: bool = True) -> list:
         size = _rows(micro[0])
         if size == 0:
             raise ValueError(f"empty micro-batches: the batch has no samples (feed variables {sorted(micro[0])})")
@@ -77,10 +79,7 @@ class StepRunner:
         training = plan.schedule != FORWARD_ONLY
         expected = self.micro_batch_size(plan) if training else None
         if expected is not None and size != expected:
-            raise ValueError(
-                f"micro-batch size {size} differs from the plan's compiled micro-batch size {expected} (global "
-                f"batch {expected * plan.num_microbatches * plan.dp_degree} with num_microbatches="
-                f"{plan.num_microbatches}); every batch must have the same size")
+            raise ValueError(_size_mismatch(plan, size, expected, plan.micro_batch_size is not None))
         feeds = {st.index: [{n: mb[n] for n in st.sections[FORWARD].feeds} for mb in micro] for st in plan.stages}
         where, persist = _locate_fetches(plan, fetch)
         shapes = [tuple(mb[n].shape for n in sorted(mb)) for mb in micro]
@@ -96,6 +95,8 @@ class StepRunner:
                 out.append(None)  # computed by another process
             elif name in persist:
                 out.append(np.array(self.devices.worker(plan.stages[stage].device).scope.find_var(name).get_tensor()))
+            elif not merged:
+                out.append(list(fetched[name]))
             else:
                 out.append(self._replica_value(plan, name, self._combine(plan, name, fetched[name])))
         return out
@@ -179,10 +180,15 @@ class StepRunner:
         return fetched
 
     def _replica_slice(self, plan: Plan, batch: dict, what: str) -> dict:
-        """Data parallelism: replica k trains on the k-th of ``dp_degree`` equal slices of ``batch``."""
+        """Data parallelism: replica k trains on the k-th of ``dp_degree`` equal slices of ``batch``; with
+        ``replica_batches="own"`` (Paddle's fleet) ``batch`` is this replica's own, as fed."""
+        if plan.replica_batches == "own":
+            return batch
         size = _rows(batch)
         if size % plan.dp_degree:
-            raise ValueError(f"{what} size {size} is not divisible by dp_degree={plan.dp_degree}")
+            raise ValueError(f"{what} size {size} is not divisible by dp_degree={plan.dp_degree} (each {what} is "
+                             f"split among the replicas; feed a multiple of {plan.dp_degree}, or build with "
+                             "replica_batches='own' to feed each replica its own batches, as Paddle's fleet does)")
         return split_microbatches(batch, plan.dp_degree)[self.devices.world[0] // len(plan.ranks)]
 
     def _replica_value(self, plan: Plan, name: str, value: np.ndarray) -> np.ndarray:
@@ -224,6 +230,20 @@ def _checked(plan: Plan, batch: dict[str, Any], what: str) -> dict[str, np.ndarr
         raise ValueError(f"{what} does not match the program's data variables: missing {missing}, "
                          f"unknown {extra}; expected {sorted(plan.data_vars)}")
     return {n: FeedSpec(n, plan.data_specs[n][0], np.dtype(plan.data_specs[n][1])).convert(v) for n, v in batch.items()}
+
+
+def _size_mismatch(plan: Plan, size: int, expected: int, compiled: bool) -> str:
+    """Why a step's micro-batches of ``size`` rows do not fit a plan that runs ``expected`` (compiled by
+    ``micro_batch_size``, or fixed by the first step), and what would fit."""
+    split = plan.dp_degree > 1 and plan.replica_batches == "split"
+    what = (f"micro-batch size {size}" + (f" (after splitting among dp_degree={plan.dp_degree} replicas)" if split
+                                          else " (this replica's own)" if plan.dp_degree > 1 else ""))
+    fixed = "micro_batch_size=" if compiled else "the first step's micro-batch size "
+    fits = expected * (plan.dp_degree if split else 1)
+    return (f"{what} differs from {fixed}{expected} the plan runs; every micro-batch must have the same size: feed "
+            f"micro-batches (loader batches) of {fits} samples, or global batches of {fits * plan.num_microbatches} "
+            f"(num_microbatches={plan.num_microbatches}" + (f", dp_degree={plan.dp_degree})" if split else ")")
+            + (f", or build the plan with micro_batch_size={size}" if compiled else ""))
 
 
 def _rows(batch: dict[str, np.ndarray]) -> int:

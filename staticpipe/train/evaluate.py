@@ -19,7 +19,9 @@ def evaluate(exe: "Executor", program: framework.Program, dataset: Any, fetch_li
         trained = plan_of(like) if like is not None else None
         chunked = trained is not None and len(trained.stages) > len(trained.ranks)
         attach_plan(build_forward_plan(program, num_microbatches, chunked,
-                                       dp_degree=trained.dp_degree if trained is not None else 1), program)
+                                       dp_degree=trained.dp_degree if trained is not None else 1,
+                                       replica_batches=trained.replica_batches if trained is not None else "split"),
+                    program)
     names = var_names(fetch_list, program)
     dtypes = [program_view(program).global_block()._var_recursive(n).dtype for n in names]
     totals, samples = None, 0

@@ -83,9 +83,12 @@ def _epoch(exe: "Executor", program: framework.Program, runs: framework.Program,
             for micro in steps(loader.epoch(), m, progress.note):
                 if not history:
                     rows = len(next(iter(micro[0].values())))
-                    replicas = f" over {plan.dp_degree} data-parallel replicas" if plan.dp_degree > 1 else ""
+                    own = plan.dp_degree > 1 and plan.replica_batches == "own"  # Paddle's fleet: this replica's
+                    replicas = (f" ({plan.dp_degree} replicas, each fed its own)" if own else
+                                f" split among {plan.dp_degree} data-parallel replicas" if plan.dp_degree > 1 else "")
                     progress.note(f"staticpipe: a loader batch is one micro-batch: micro-batch size {rows}, "
-                                  f"{m} micro-batches per step, global batch {rows * m}{replicas}")
+                                  f"{m} micro-batches per step, global batch {rows * m * (plan.dp_degree if own else 1)}"
+                                  f"{replicas}")
                 started = time.perf_counter()
                 values = exe.step(runs, micro, names + handler.names)
                 if options.lr_step == "step":
