@@ -218,11 +218,14 @@ class Plan:
     notes: tuple[str, ...] = ()
     dp_degree: int = 1  # data-parallel replicas of the whole pipeline (one process per stage rank each)
     replica_batches: str = "split"  # "split": each feed is split among the replicas; "own": each is its replica's
+    # values the program marks persistable that train as activations (rewrite/activations.py): after each step
+    # each one's value for the step's batch is left in its stage's scope, where one device leaves it
+    outliving: tuple[str, ...] = ()
     memory: MemoryModel | None = None  # predicted bytes per stage and device (training plans)
 
     def __post_init__(self) -> None:
         """Every container read-only: the plan is shared by every worker, evaluation and saved copy."""
-        for name in ("stages", "routes", "ranks", "exchanges", "notes"):
+        for name in ("stages", "routes", "ranks", "exchanges", "notes", "outliving"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "actions", _frozen({r: tuple(acts) for r, acts in self.actions.items()}))
         for name in ("data_vars", "data_specs", "producers", "shared", "replicated"):

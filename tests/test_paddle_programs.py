@@ -8,6 +8,9 @@ batch: a step's micro-batches together) and compares every parameter (rtol 1e-5)
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -92,7 +95,11 @@ def test_a_persistable_activation_trains_as_an_activation_and_is_fetched_whole()
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
     assert hidden.persistable  # the user's program keeps its flag (it is the single-device reference)
-    assert hidden.name not in staticpipe.plan_of(main).stages[0].persistables
+    plan = staticpipe.plan_of(main)
+    assert hidden.name not in plan.stages[0].persistables and plan.outliving == (hidden.name,)
+    # left where one device leaves it: in the scope of the stage that computes it, the last step's batch
+    last = np.array(exe.scope_of("gpu:0").find_var(hidden.name).get_tensor())
+    np.testing.assert_allclose(last, last_hidden, rtol=1e-5, atol=1e-6)
     # fetched: the whole step's value, as one device's run of the same global batch gives it
     batch = {"pixel": np.ones((M * MBS, 1, 4, 4), np.float32), "label": np.zeros((M * MBS, 1), np.int64)}
     before = exe.state_dict(main)
@@ -152,3 +159,33 @@ def test_gpu_all_ops_run_where_their_values_are_needed():
     plan = staticpipe.plan_of(main)
     assert plan.devices == ["gpu:0", "gpu:1"]  # "gpu:all" names no stage of its own
     pipe.close()
+
+
+LAUNCHED = """
+import os, sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+import staticpipe
+from staticpipe._paddle import paddle
+from test_paddle_programs import pipeline, one_device
+paddle.enable_static()
+initial, _, _, _ = one_device(persistable_hidden=True)
+exe, main, feeds, hidden = pipeline(initial, persistable_hidden=True)
+rank = os.environ.get("PADDLE_TRAINER_ID", "single") if int(os.environ.get("PADDLE_TRAINERS_NUM", "1")) > 1 else "single"
+np.savez(os.path.join({out!r}, f"state_{{rank}}.npz"), **exe.state_dict(main))
+"""
+
+
+def test_a_flat_reader_and_a_persistable_activation_launched_train_as_on_one_device(tmp_path):
+    """The same program in 2 launched processes (gloo): each rank's loader feeds as Paddle's DataFeeder,
+    the persistable activation crosses processes as an activation; the state equals one device's."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED.format(repo=repo, tests=os.path.join(repo, "tests"), out=str(tmp_path)))
+    result = subprocess.run([sys.executable, "-m", "staticpipe.launch", "--nprocs", "2", str(script)],
+                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, want, _, _ = one_device(persistable_hidden=True)
+    got = {**np.load(tmp_path / "state_0.npz"), **np.load(tmp_path / "state_1.npz")}
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)

@@ -50,7 +50,7 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
     num_stages = len(assignment.devices)
     costs = options.costs(num_stages)
     m, mbs = options.num_microbatches, options.micro_batch_size
-    with contextlib.nullcontext() if isinstance(program, PirView) else as_activations(program):
+    with contextlib.nullcontext(()) if isinstance(program, PirView) else as_activations(program) as outliving:
         stages, routes, exchanges, data_vars, producers, replicated = build_sections(
             program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split)
     compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
@@ -65,7 +65,7 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 data_vars=data_vars, data_specs=_data_specs(program, data_vars, m), loss=loss_name,
                 producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
                 replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree,
-                replica_batches=options.replica_batches,
+                replica_batches=options.replica_batches, outliving=tuple(outliving),
                 memory=memory_model(stages, actions, ranks))
 
 

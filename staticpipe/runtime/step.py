@@ -81,14 +81,20 @@ class StepRunner:
         if expected is not None and size != expected:
             raise ValueError(_size_mismatch(plan, size, expected, plan.micro_batch_size is not None))
         feeds = {st.index: [{n: mb[n] for n in st.sections[FORWARD].feeds} for mb in micro] for st in plan.stages}
-        where, persist = _locate_fetches(plan, fetch)
+        outliving = [n for n in plan.outliving if n not in fetch]  # left in their stages' scopes after the step
+        where, persist = _locate_fetches(plan, fetch + outliving)
         shapes = [tuple(mb[n].shape for n in sorted(mb)) for mb in micro]
         fetched = self._run_actions(plan, feeds, where, size if training else None, shapes)
         if training:  # the update is applied: the step counts, whatever merging the fetches does
             self.global_step += 1
             self._bound.setdefault(plan, size)  # only a step that succeeded fixes it
-        out = []
         local = {st.index for st in self._local[plan]}
+        for name in plan.outliving:  # where one device's run leaves a persistable value: in the stage's scope
+            stage = plan.stages[plan.producers[name].stage]
+            if stage.index in local:
+                worker = self.devices.worker(stage.device)
+                worker.scope.var(name).get_tensor().set(self._combine(plan, name, fetched[name]), worker.place)
+        out = []
         for name in fetch:
             stage = persist[name] if name in persist else plan.producers[name].stage
             if stage not in local:
