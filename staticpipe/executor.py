@@ -66,7 +66,7 @@ class Executor:
     def run(self, program: framework.Program | None = None, feed: dict | list | None = None,
             fetch_list: Sequence | None = None, feed_var_name: str = "feed", fetch_var_name: str = "fetch",
             scope: Any = None, return_numpy: bool = True, use_program_cache: bool = False,
-            return_merged: bool = True, use_prune: bool = False) -> list:
+            use_prune: bool = False, *, return_merged: bool = True) -> list:
         """Run ``program`` once (Paddle's signature).
 
         - a startup program of a pipelined program: initialise once on the host, then give each stage
@@ -76,19 +76,20 @@ class Executor:
           ``num_microbatches`` batches from the started loader feeding the program (Paddle's loader
           convention), raising ``core.EOFException`` at the end of its epoch. Values come back as numpy
           arrays, merged over the step's micro-batches (batched values concatenated, others averaged: the
-          global batch's value); ``return_merged=False`` gives each as the list of its per-micro-batch
-          values instead (Paddle's pipeline fetches the last micro-batch's: ``values[-1]``); ``scope`` must
+          global batch's value); ``return_merged=False`` (keyword; the name Paddle's executors gave per-device
+          results) gives each as the list of its per-micro-batch values instead (Paddle's pipeline fetches
+          the last micro-batch's: ``values[-1]``); ``scope`` must
           be None (each device keeps its own);
         - any other program: plain Paddle execution on ``place`` with the state the stages hold (so an
           evaluation clone of a pipelined program sees the trained values), every argument as Paddle's.
         """
         with self._open():
             return self._run(program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
-                             use_program_cache, return_merged, use_prune)
+                             use_program_cache, use_prune, return_merged)
 
     def _run(self, program: framework.Program | None, feed: Any, fetch_list: Sequence | None, feed_var_name: str,
-             fetch_var_name: str, scope: Any, return_numpy: bool, use_program_cache: bool, return_merged: bool,
-             use_prune: bool) -> list:
+             fetch_var_name: str, scope: Any, return_numpy: bool, use_program_cache: bool, use_prune: bool,
+             return_merged: bool) -> list:
         program = program if program is not None else paddle.static.default_main_program()
         plan = plan_of(program)
         if plan is not None and is_startup(program):
@@ -98,7 +99,7 @@ class Executor:
             scope = scope if scope is not None else self._plain_scope
             state.copy_stage_state(self._devices, program, scope, self.place)
             return self._plain.run(program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
-                                   use_program_cache, return_merged=return_merged, use_prune=use_prune)
+                                   use_program_cache, use_prune)  # one run: nothing to merge
         if scope is not None:
             raise ValueError("scope must be None for a pipelined program: each device keeps its own scope "
                              "(Executor.scope_of(device))")

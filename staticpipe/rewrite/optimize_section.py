@@ -102,11 +102,15 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
         del owned[g]
 
     def read_merged(i: int, desc: core.OpDesc) -> None:
-        for g, merged in owned.items():
-            desc._rename_input(g, merged)
-            desc._rename_output(g, merged)
+        for g in set(desc.input_arg_names() + desc.output_arg_names()).intersection(owned):
+            desc._rename_input(g, owned[g])
+            desc._rename_output(g, owned[g])
 
+    run: list[int] = []  # consecutive plain ops, copied together (each copy re-syncs the whole block)
     for item in ops:
+        if isinstance(item, (Reduction, StageSlice)) and run:
+            copy_ops(dst, block, run, edit=read_merged)
+            run = []
         if isinstance(item, Reduction):
             comm_ops.append(_append_reduction(dst, block, item, device, owned))
             taken.append(exchanges.reduction[item.op].index)
@@ -116,7 +120,9 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
                 comm_ops.append(comm_op)
                 taken.append(exchanges.reduction[item.op].index)
         else:
-            copy_ops(dst, block, [item], edit=read_merged)
+            run.append(item)
+    if run:
+        copy_ops(dst, block, run, edit=read_merged)
     for g in merge:
         zero_fill(dst, g + MERGED_SUFFIX, device, ROLE_OPTIMIZE)
     for param, readers in sorted(assignment.shared.items()):

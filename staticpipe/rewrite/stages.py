@@ -114,24 +114,28 @@ def assign_stages(program: framework.Program, chunked: bool = False) -> StageAss
 
     # unguarded forward ops: ops with a producing op follow their latest producer; source ops (data,
     # parameters, constants only) take the earliest stage that consumes them, directly or through
-    # other unguarded ops
+    # other unguarded ops. One pass from the end: earliest[v] is the earliest stage among the later
+    # readers of v seen so far (each op's argument names read once: they cross into C++ every time)
+    inputs = {i: ops[i].input_arg_names for i in fwd}
     consumer_stage: dict[int, int] = {}
+    earliest: dict[str, int] = {}
     for i in reversed(fwd):
-        outs = set(ops[i].output_arg_names)
-        cons = [stage[j] if stage[j] is not None else consumer_stage.get(j) for j in fwd
-                if j > i and outs.intersection(ops[j].input_arg_names)]
-        cons = [c for c in cons if c is not None]
+        cons = [earliest[n] for n in set(ops[i].output_arg_names) if n in earliest]
         if cons:
             consumer_stage[i] = min(cons)
+        mine = stage[i] if stage[i] is not None else consumer_stage.get(i)
+        if mine is not None:
+            for name in inputs[i]:
+                earliest[name] = min(earliest.get(name, mine), mine)
     for i in fwd:
         if stage[i] is None:
-            ins = [stage[producer[n]] for n in ops[i].input_arg_names if n in producer and producer[n] != i]
+            ins = [stage[producer[n]] for n in inputs[i] if n in producer and producer[n] != i]
             ins = [s for s in ins if s is not None]
             stage[i] = max(ins) if ins else consumer_stage.get(i, 0)
 
     # forward data may only flow to later stages
     for i in fwd:
-        for name in ops[i].input_arg_names:
+        for name in inputs[i]:
             j = producer.get(name)
             if j is not None and j != i and stage[j] > stage[i]:
                 raise ValueError(
@@ -143,7 +147,7 @@ def assign_stages(program: framework.Program, chunked: bool = False) -> StageAss
     param_names = {p.name for p in block.all_parameters()}
     readers: dict[str, list[int]] = {}
     for i in fwd:
-        for name in ops[i].input_arg_names:
+        for name in inputs[i]:
             if name in param_names and stage[i] not in readers.setdefault(name, []):
                 readers[name].append(stage[i])
     param_stage = {name: min(stages) for name, stages in readers.items()}
