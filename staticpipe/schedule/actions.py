@@ -61,7 +61,22 @@ class Action:
     b_microbatch: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))  # "F" -> Kind.F, so ``is`` tests hold
+        if type(self.kind) is not Kind:
+            object.__setattr__(self, "kind", Kind(self.kind))  # "F" -> Kind.F, so ``is`` tests hold
+        # actions key the schedulers', validator's and simulator's dicts: hashed once, not per lookup
+        object.__setattr__(self, "_hash", hash((self.kind, self.stage, self.microbatch, self.route, self.peer,
+                                                self.channel, self.b_stage, self.b_microbatch)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict:  # the hash of a str differs between processes: recomputed on arrival
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+        self.__post_init__()
 
     def __str__(self) -> str:
         if self.kind is Kind.OPT:

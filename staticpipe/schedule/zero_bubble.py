@@ -106,7 +106,7 @@ class _ListScheduler:
         # rule 1b: p ranks x S/p chunks, 1F1B's first-stage peak in (stage, mb) pairs, times ``memory``
         self.cap = memory * self.num_stages
         self.ahead = [memory * (self.num_stages - s) - (memory - 1) for s in range(self.num_stages)]  # rule 1a
-        self.end: dict[Action, float] = {}
+        self.end: dict[tuple, float] = {}  # (kind, stage, micro-batch) of each started action -> its end
         self.next_f = [0] * self.num_stages
         self.before_b: list[set[int]] = [set() for _ in stage_ranks]  # F started, B not
         self.before_w: list[set[int]] = [set() for _ in stage_ranks]  # B started, W not
@@ -132,27 +132,30 @@ class _ListScheduler:
     def pick(self, r: int, now: float) -> Action | None:
         """Rank ``r``'s next action at time ``now`` by the rules above, or None to wait."""
         arrival = math.inf  # when the first F/B that is waiting only for its input can start
-        for a, needs in self.candidates(r):
-            if needs is None or self.end.get(needs, math.inf) <= now:
-                return a
-            arrival = min(arrival, self.end.get(needs, math.inf))
+        for kind, s, mb, needs in self.candidates(r):
+            ready = 0.0 if needs is None else self.end.get(needs, math.inf)
+            if ready <= now:
+                return Action(kind, s, mb)
+            arrival = min(arrival, ready)
         waiting = [(mb, -s) for s in self.stages_of[r] for mb in self.before_w[s]]
         if not waiting:
             return None
         w = W(-min(waiting)[1], min(waiting)[0])
         return w if not self.w_fits_gaps or now + self.duration(w) <= arrival else None
 
-    def candidates(self, r: int) -> Iterator[tuple[Action, Action | None]]:
-        """Rank ``r``'s F's within the memory caps, then its B's, in priority order, each with the
-        action whose output it needs (None: none)."""
+    def candidates(self, r: int) -> Iterator[tuple[Kind, int, int, tuple | None]]:
+        """Rank ``r``'s F's within the memory caps, then its B's, in priority order, each as (kind, stage,
+        micro-batch, the key in ``end`` of the action whose output it needs, None: none). Keys, not
+        actions: a rank weighs every micro-batch it holds at every moment, and most are never picked."""
         held = sum(len(self.before_b[s]) + len(self.before_w[s]) for s in self.stages_of[r])
         for s in self.stages_of[r]:
             mb = self.next_f[s]
             if mb < self.m and len(self.before_b[s]) < self.ahead[s] and held + self.owed(r, s) < self.cap:
-                yield F(s, mb), F(s - 1, mb) if s > 0 else None
+                yield Kind.F, s, mb, (Kind.F, s - 1, mb) if s > 0 else None
+        last = self.num_stages - 1
         for s in self.stages_of[r]:
             for mb in sorted(self.before_b[s]):
-                yield B(s, mb), B(s + 1, mb) if s < self.num_stages - 1 else None  # its own F has ended
+                yield Kind.B, s, mb, (Kind.B, s + 1, mb) if s < last else None  # its own F has ended
 
     def owed(self, r: int, s: int) -> int:
         """Slots rank ``r`` must keep for the later-chunk F's of the micro-batches already on it, once
@@ -171,7 +174,7 @@ class _ListScheduler:
         seconds = self.duration(a)
         if seconds < 0:
             raise ValueError(f"costs give action {a} a negative duration ({seconds})")
-        self.end[a] = now + seconds
+        self.end[(a.kind, a.stage, a.microbatch)] = now + seconds
         if a.kind is Kind.F:
             self.next_f[a.stage] += 1
             self.before_b[a.stage].add(a.microbatch)
@@ -180,4 +183,4 @@ class _ListScheduler:
             self.before_w[a.stage].add(a.microbatch)
         else:
             self.before_w[a.stage].discard(a.microbatch)
-        return self.end[a]
+        return now + seconds
