@@ -37,22 +37,27 @@ def fail(rank: int, step: int, action: Action, problem: str) -> ScheduleError:
     return ScheduleError(f"rank {rank}, step {step}, action {action}: {problem}", rank, step, action)
 
 
-def _dependencies(a: Action, num_stages: int, lowered: bool) -> list[Action]:
-    """The actions ``a`` waits for, other than the previous one on its rank (RECV and OPT aside)."""
+def _dependencies(a: Action, num_stages: int, lowered: bool) -> list[tuple]:
+    """The actions ``a`` waits for, other than the previous one on its rank (RECV and OPT aside), as
+    ``_key``s: a dry run of thousands of actions looks each up, and a tuple is cheaper than an Action."""
     return [d for h in a.halves() if (d := _dependency(h, num_stages, lowered)) is not None]
 
 
-def _dependency(a: Action, num_stages: int, lowered: bool) -> Action | None:
+def _key(a: Action) -> tuple:
+    return a.kind, a.stage, a.microbatch
+
+
+def _dependency(a: Action, num_stages: int, lowered: bool) -> tuple | None:
     if a.kind is Kind.W:
-        return Action(Kind.B, a.stage, a.microbatch)
+        return Kind.B, a.stage, a.microbatch
     if a.kind is Kind.B and a.stage == num_stages - 1:
-        return Action(Kind.F, a.stage, a.microbatch)
+        return Kind.F, a.stage, a.microbatch
     if lowered:
         return None
     if a.kind is Kind.F and a.stage > 0:
-        return Action(Kind.F, a.stage - 1, a.microbatch)
+        return Kind.F, a.stage - 1, a.microbatch
     if a.kind is Kind.B:
-        return Action(Kind.B, a.stage + 1, a.microbatch)
+        return Kind.B, a.stage + 1, a.microbatch
     return None
 
 
@@ -70,7 +75,7 @@ def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], fl
     clock = dict.fromkeys(ranks, 0.0)
     first_opt = {r: next((i for i, a in enumerate(acts) if a.kind is Kind.OPT), len(acts))
                  for r, acts in schedule.items()}
-    done: dict[Action, float] = {}  # compute action -> its end
+    done: dict[tuple, float] = {}  # compute action (its _key) -> its end
     sent: dict[tuple, tuple[int, int, Action]] = {}  # (route, micro-batch) -> rank, step, SEND
     sent_at: dict[tuple, float] = {}  # (route, micro-batch) -> end of its SEND
     received: set[tuple] = set()
@@ -117,7 +122,7 @@ def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], fl
                 elif a.kind is Kind.RECV:
                     received.add((a.route, a.microbatch))
                 else:
-                    done.update(dict.fromkeys(a.halves(), end))
+                    done.update(dict.fromkeys(map(_key, a.halves()), end))
                 ptr[r] += 1
                 reach(r)
                 progressed = True
@@ -139,7 +144,7 @@ def _check_receive(r: int, i: int, recv: Action, sender: tuple[int, int, Action]
 
 
 def _deadlock(schedule: Schedule, ranks: list[int], ptr: dict[int, int], first_opt: dict[int, int],
-              done: dict[Action, float], num_stages: int, lowered: bool, collectives: bool) -> ScheduleError:
+              done: dict[tuple, float], num_stages: int, lowered: bool, collectives: bool) -> ScheduleError:
     blocked = [(r, ptr[r], schedule[r][ptr[r]]) for r in ranks if ptr[r] < len(schedule[r])]
     waits = []
     for r, i, a in blocked:
@@ -149,7 +154,7 @@ def _deadlock(schedule: Schedule, ranks: list[int], ptr: dict[int, int], first_o
             behind = [q for q in ranks if ptr[q] < first_opt[q]]
             what = f"the OPT barrier (rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} not there)"
         else:
-            what = " and ".join(str(d) for d in _dependencies(a, num_stages, lowered) if d not in done)
+            what = " and ".join(str(Action(*d)) for d in _dependencies(a, num_stages, lowered) if d not in done)
         waits.append(f"rank {r} at step {i} ({a}) waits for {what}")
     r, i, a = blocked[0]
     return ScheduleError("deadlock: " + "; ".join(waits), r, i, a)

@@ -54,7 +54,7 @@ import heapq
 import math
 from typing import Callable, Iterator
 
-from .actions import OPT, Action, B, F, Kind, Schedule, W
+from .actions import OPT, Action, Kind, Schedule, W
 from .simulate import Costs, cost_function, simulate
 
 Duration = Callable[[Action], float]
