@@ -152,7 +152,8 @@ class DistributedOptimizer:
         dp, pp = _degrees(strategy)
         self.pipeline = PipelineOptimizer(self._inner, num_microbatches=pipe["accumulate_steps"],
                                           schedule=SCHEDULES.get(pipe["schedule_mode"], pipe["schedule_mode"]),
-                                          recompute=bool(strategy.recompute and checkpoints), replica_batches="own")
+                                          recompute=bool(strategy.recompute and checkpoints), replica_batches="own",
+                                          loss_reduction="mean")  # Paddle's pipeline averages, whatever the loss
         assignment, ranks, _ = self.pipeline.layout(loss)
         if not strategy.pipeline and len(ranks) > 1:
             raise ValueError(f"the program is guarded on {len(ranks)} devices {ranks} but strategy.pipeline is False: "

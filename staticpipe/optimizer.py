@@ -46,18 +46,23 @@ class PipelineOptimizer:
     ``replica_batches``: "split" (the default, above) or "own", Paddle's fleet meaning: every process is fed
     its own replica's batches (a loader batch is that replica's micro-batch, so the global batch is
     dp_degree x num_microbatches x micro_batch_size), as ``staticpipe.fleet`` builds it.
+    ``loss_reduction``: "auto" (the default) trains as one device on the whole batch whatever the loss
+    reduces the batch by: a batch mean's micro-batches are averaged, a batch sum's added (and so are the
+    fetched losses); a loss that is neither is refused at minimize. "mean" averages the micro-batches'
+    gradients whatever the loss, as Paddle's pipeline does (``staticpipe.fleet`` asks for it).
     """
 
     def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str | dict = "1F1B",
                  micro_batch_size: int | None = None, recompute: bool | list[int] = False,
-                 dp_degree: int = 1, schedule_costs: StageCosts | None = None, replica_batches: str = "split"):
+                 dp_degree: int = 1, schedule_costs: StageCosts | None = None, replica_batches: str = "split",
+                 loss_reduction: str = "auto"):
         if not _is_paddle_optimizer(optimizer):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, or one decorated by Paddle's static AMP "
                              f"(paddle.static.amp.decorate, paddle.static.amp.bf16.decorate_bf16), got "
                              f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         self.inner = optimizer
         self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree,
-                                   replica_batches)
+                                   replica_batches, loss_reduction)
         self.plan: Plan | None = None
 
     def _option(name: str) -> property:  # noqa: N805  (a property factory, used in the class body)
@@ -72,6 +77,7 @@ class PipelineOptimizer:
     dp_degree = _option("dp_degree")
     schedule_costs = _option("schedule_costs")
     replica_batches = _option("replica_batches")
+    loss_reduction = _option("loss_reduction")
     del _option
 
     def amp_init(self, place: Any = None, scope: Any = None, test_program: Any = None, **kwargs: Any) -> None:

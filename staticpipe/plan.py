@@ -221,6 +221,7 @@ class Plan:
     # values the program marks persistable that train as activations (rewrite/activations.py): after each step
     # each one's value for the step's batch is left in its stage's scope, where one device leaves it
     outliving: tuple[str, ...] = ()
+    loss_reduction: str = "mean"  # "mean": micro-batches (and replicas) averaged; "sum": added (rewrite/loss.py)
     memory: MemoryModel | None = None  # predicted bytes per stage and device (training plans)
 
     def __post_init__(self) -> None:

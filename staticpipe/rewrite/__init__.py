@@ -18,6 +18,7 @@ from ..schedule import Schedule, get_kind, lower, make_schedule, validate
 from ..schedule.actions import F
 from ..schedule.simulate import StageCosts
 from .activations import as_activations
+from .loss import MEAN, loss_reduction
 from .memory import memory_model
 from .options import PlanOptions
 from .programs import MERGED_SUFFIX, section_runs
@@ -50,9 +51,13 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
     num_stages = len(assignment.devices)
     costs = options.costs(num_stages)
     m, mbs = options.num_microbatches, options.micro_batch_size
+    reduction = MEAN if options.loss_reduction == MEAN else loss_reduction(program.global_block(), assignment,
+                                                                          loss_name)
+    # a mean's micro-batches are averaged (1/M); a sum's added, and the replicas' too (their mean x dp)
+    seed = (1, m) if reduction == MEAN else (options.dp_degree, 1)
     with contextlib.nullcontext(()) if isinstance(program, PirView) else as_activations(program) as outliving:
         stages, routes, exchanges, data_vars, producers, replicated = build_sections(
-            program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split)
+            program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split, seed)
     compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
                                                               costs)
     actions = lower(compute, routes)
@@ -65,7 +70,7 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 data_vars=data_vars, data_specs=_data_specs(program, data_vars, m), loss=loss_name,
                 producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
                 replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree,
-                replica_batches=options.replica_batches, outliving=tuple(outliving),
+                replica_batches=options.replica_batches, outliving=tuple(outliving), loss_reduction=reduction,
                 memory=memory_model(stages, actions, ranks))
 
 

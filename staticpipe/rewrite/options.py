@@ -18,6 +18,9 @@ from ..schedule.simulate import StageCosts
 # how data-parallel replicas take their data: "split" (staticpipe's): every process is fed the same batch and
 # replica k trains on its k-th slice; "own" (Paddle's fleet): every process is fed its own replica's batch
 REPLICA_BATCHES = ("split", "own")
+# how micro-batches add up: "auto" by the loss's reduction (a batch mean averaged, a batch sum added:
+# rewrite/loss.py), "mean" averaged whatever the loss (Paddle's pipeline)
+LOSS_REDUCTIONS = ("auto", "mean")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class PlanOptions:
     schedule_costs: StageCosts | None = None
     dp_degree: int = 1
     replica_batches: str = "split"
+    loss_reduction: str = "auto"
 
     def __post_init__(self) -> None:
         check_microbatches(self.num_microbatches)
@@ -43,6 +47,8 @@ class PlanOptions:
             raise ValueError(f"micro_batch_size must be a positive integer or None, got {self.micro_batch_size!r}")
         if not isinstance(self.dp_degree, int) or isinstance(self.dp_degree, bool) or self.dp_degree < 1:
             raise ValueError(f"dp_degree must be an integer >= 1, got {self.dp_degree!r}")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {self.loss_reduction!r}")
         if self.replica_batches not in REPLICA_BATCHES:
             raise ValueError(f"replica_batches must be one of {list(REPLICA_BATCHES)}, got {self.replica_batches!r}")
         if self.schedule_costs is not None and self.custom is not None:

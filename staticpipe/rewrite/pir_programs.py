@@ -144,7 +144,7 @@ def _half(view: PirView, op: Any, dropped: set[str], mapping: Any, values: dict[
 
 
 def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: dict[str, str],
-                           num_microbatches: int, drop: dict[int, set[str]], recompute: list[int] = (),
+                           seed: tuple[int, int], drop: dict[int, set[str]], recompute: list[int] = (),
                            drop_out: dict[int, set[str]] | None = None) -> Section:
     """The forward or backward section ``sec`` (``sections.SectionOps``; see the module docstring); ``drop``:
     sum op -> its inputs computed elsewhere (as ``cut_program``'s); ``recompute``: the stage's forward ops,
@@ -162,8 +162,8 @@ def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: 
     if ref.kind in (BACKWARD, WEIGHT):
         with paddle.static.program_guard(program):
             loss_grad = view.loss + "@GRAD"
-            if loss_grad in values and num_microbatches > 1:
-                _scale_after(values[loss_grad], 1.0 / num_microbatches)
+            if loss_grad in values and seed != (1, 1):
+                _scale_after(values[loss_grad], seed[0] / seed[1])
             for grad in merge:
                 if grad in values:
                     g = values[grad]

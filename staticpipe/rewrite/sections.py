@@ -127,7 +127,7 @@ def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str
 
 def build_sections(program: framework.Program, assignment: StageAssignment, stage_ranks: list[int],
                    num_microbatches: int, micro_batch_size: int | None, recompute: frozenset[int] = frozenset(),
-                   split_backward: bool = False
+                   split_backward: bool = False, seed: tuple[int, int] | None = None
                    ) -> tuple[list[Stage], list[Route], list[Exchange], dict[str, tuple[int, ...]],
                               dict[str, SectionRef], dict[int, str]]:
     """Return (stages, routes, exchanges, data variable -> stages that read it, per-micro-batch var ->
@@ -135,8 +135,10 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
 
     Stages in ``recompute`` keep only their inputs between forward and backward; their backward section
     starts with a second run of the forward ops. ``split_backward`` gives every stage a third
-    per-micro-batch section, weight, with the parameter-gradient half of the backward.
+    per-micro-batch section, weight, with the parameter-gradient half of the backward. ``seed``: (numerator,
+    denominator) the loss-gradient seed is scaled by (``rewrite/loss.py``); default 1 / num_microbatches.
     """
+    seed = seed or (1, num_microbatches)
     block = program.global_block()
     pir = isinstance(program, PirView)
     p = len(assignment.devices)
@@ -237,11 +239,11 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
             ref = SectionRef(s, kind)
             if pir:
                 sections[kind] = pir_programs.per_microbatch_section(
-                    block, secs[ref], routes, merge, num_microbatches, drop_in,
+                    block, secs[ref], routes, merge, seed, drop_in,
                     recompute=fwd.ops if s in recompute and kind == BACKWARD else [], drop_out=drop_out[ref])
             else:
                 sections[kind] = _per_microbatch_section(
-                    block, secs[ref], routes, device, micro_batch_size, merge, num_microbatches, drop_in,
+                    block, secs[ref], routes, device, micro_batch_size, merge, seed, drop_in,
                     drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [], held=held)
         if pir:
             sections[OPTIMIZE] = pir_programs.optimize_section(block, s, placement.ops[s], grads, merge, partials,
@@ -289,7 +291,7 @@ def _check_recomputable(block: framework.Block, fwd: SectionOps) -> None:
 
 
 def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: list[Route], device: str,
-                            micro_batch_size: int | None, merge: dict[str, str], num_microbatches: int,
+                            micro_batch_size: int | None, merge: dict[str, str], seed: tuple[int, int],
                             drop_in: Drops, drop_out: Drops, recompute: list[int] = (),
                             held: frozenset[str] = frozenset()) -> Section:
     role = 0 if sec.ref.kind == FORWARD else ROLE_BACKWARD
@@ -310,8 +312,8 @@ def _per_microbatch_section(block: framework.Block, sec: SectionOps, routes: lis
             for slot in desc.output_names():
                 desc.set_output(slot, [n for n in desc.output(slot) if n not in drop_out[i]])
         if (desc.has_attr(OP_ROLE) and desc.attr(OP_ROLE) == ROLE_BACKWARD | ROLE_LOSS
-                and desc.type() == "fill_constant" and num_microbatches > 1):
-            value = desc.attr("value") / num_microbatches
+                and desc.type() == "fill_constant" and seed != (1, 1)):
+            value = desc.attr("value") * seed[0] / seed[1]
             desc._set_attr("value", value)
             if desc.has_attr("str_value") and desc.attr("str_value"):
                 desc._set_attr("str_value", repr(value))

@@ -204,6 +204,8 @@ class StepRunner:
         if plan.dp_degree == 1 or batched:
             return value
         mean = self.devices.channel_for(plan).replica_mean(np.ascontiguousarray(as_float(value, dtype)))
+        if name == plan.loss and plan.loss_reduction == "sum":  # the global batch's sum: the replicas' added
+            mean = mean * plan.dp_degree
         return as_fetched(mean, value, dtype).reshape(np.shape(value))
 
     def _combine(self, plan: Plan, name: str, values: list[np.ndarray]) -> np.ndarray:
@@ -213,7 +215,10 @@ class StepRunner:
         batched, dtype = self._declared(plan, name)
         if batched:
             return np.concatenate(values, axis=0)
-        return as_fetched(np.mean(np.stack([as_float(v, dtype) for v in values]), axis=0), values[0], dtype)
+        numbers = np.stack([as_float(v, dtype) for v in values])
+        if name == plan.loss and plan.loss_reduction == "sum":  # a batch sum: the micro-batches' sums added
+            return as_fetched(np.sum(numbers, axis=0), values[0], dtype)
+        return as_fetched(np.mean(numbers, axis=0), values[0], dtype)
 
     def _declared(self, plan: Plan, name: str) -> tuple[bool, Any]:
         """Whether per-micro-batch value ``name`` has the batch as its first dimension (-1 in the program),

@@ -1,0 +1,106 @@
+"""How the loss reduces the batch: a mean (the pipeline averages its micro-batches) or a sum (it adds them).
+
+Why it matters: a pipeline runs the loss once per micro-batch. For a batch mean, the mean of the M
+micro-batch losses is the batch's loss, so each micro-batch's gradient seed is scaled by 1/M. For a batch
+sum (``paddle.sum(ce)``, ``cross_entropy(..., reduction="sum")``), the sum of the micro-batch losses is
+the batch's, so the seed stays 1 (and data-parallel replicas add theirs: the seed carries ``dp_degree``
+against the replicas' mean). Averaging a sum trained at 1/M of the gradient.
+
+The loss is read back from its op through the ops that keep the kind of reduction: scaling, casts,
+copies, adding or subtracting terms of one kind, multiplying or dividing by a value that does not
+depend on the batch; a term that does not depend on the batch at all (a regulariser of parameters)
+goes with a mean (each micro-batch adds it once, the mean keeps it once) but not with a sum (it would
+be added M times). The op that reduces the batch decides: ``mean`` / ``reduce_mean`` over the batch
+dimension a mean, ``reduce_sum`` (PIR ``sum``) a sum. Anything else (a max, a square of a mean, ...)
+is neither, and refused with what to do. ``loss_reduction="mean"`` (Paddle's pipeline, ``staticpipe.fleet``)
+averages the micro-batches whatever the loss.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .stages import FWD, StageAssignment
+
+MEAN, SUM, CONSTANT = "mean", "sum", "constant"
+_KEEP = {"scale", "cast", "assign"}
+_ADD = {"elementwise_add", "elementwise_sub", "add", "subtract"}
+_MUL = {"elementwise_mul", "multiply"}
+_DIV = {"elementwise_div", "divide"}
+_MEANS = {"mean", "reduce_mean"}
+_SUMS = {"reduce_sum"}  # and PIR's "sum" (legacy "sum" is add_n: terms)
+
+
+class NotAReduction(ValueError):
+    """The loss is neither a batch mean nor a batch sum."""
+
+
+def loss_reduction(block: Any, assignment: StageAssignment, loss: str) -> str:
+    """``MEAN`` or ``SUM`` for ``loss`` of ``block`` (legacy block or ``PirView``); ``NotAReduction``
+    naming the op that makes it neither."""
+    producer: dict[str, Any] = {}
+    depends: set[str] = set()
+    written = {n for i, op in enumerate(block.ops) if assignment.role[i] == FWD for n in op.output_arg_names}
+    for i, op in enumerate(block.ops):
+        if assignment.role[i] != FWD:
+            continue
+        fed = [n for n in op.input_arg_names if n not in written and _is_feed(block, n)]
+        if fed or depends.intersection(op.input_arg_names):
+            depends.update(op.output_arg_names)
+        for name in op.output_arg_names:
+            producer[name] = op
+    kind = _kind(loss, producer, depends)
+    return SUM if kind == SUM else MEAN
+
+
+def _is_feed(block: Any, name: str) -> bool:
+    var = block._find_var_recursive(name) if hasattr(block, "_find_var_recursive") else block._var_recursive(name)
+    return var is not None and not var.persistable and not getattr(var, "constant", False)
+
+
+def _kind(name: str, producer: dict[str, Any], depends: set[str]) -> str:
+    if name not in depends:
+        return CONSTANT
+    op = producer[name]
+    t = op.type
+    if t in _KEEP:
+        return _kind(op.input_arg_names[0], producer, depends)
+    if t in _ADD or (t == "sum" and getattr(op, "_sum_inputs", 0)) or (t == "sum" and not hasattr(op, "op")):
+        kinds = {_kind(n, producer, depends) for n in op.input_arg_names}
+        terms = kinds - {CONSTANT}
+        if len(terms) == 1 and not (terms == {SUM} and CONSTANT in kinds):
+            return terms.pop()
+        raise NotAReduction(_why(op, f"it adds terms of kinds {sorted(kinds)} (a batch mean, a batch sum, a "
+                                     "value that does not depend on the batch)"))
+    if t in _MUL | _DIV:
+        kinds = [_kind(n, producer, depends) for n in op.input_arg_names[:2]]
+        if kinds.count(CONSTANT) == 1 and (t in _MUL or kinds[1] == CONSTANT):
+            return next(k for k in kinds if k != CONSTANT)
+        raise NotAReduction(_why(op, "both of its operands depend on the batch"))
+    if t in _MEANS or t in _SUMS or t == "sum":
+        if not _over_batch(op):
+            raise NotAReduction(_why(op, "it reduces other dimensions than the batch's"))
+        return MEAN if t in _MEANS else SUM
+    raise NotAReduction(_why(op, "it is not a mean or a sum over the batch"))
+
+
+def _over_batch(op: Any) -> bool:
+    """Whether a reduce op reduces dimension 0 (all of them, or a list holding 0)."""
+    if op.type == "mean" and not hasattr(op, "op"):
+        return True  # the legacy "mean" op reduces everything
+    for flag in ("reduce_all",):
+        if op.has_attr(flag) and op.attr(flag):
+            return True
+    for name in ("dim", "axis"):
+        if op.has_attr(name):
+            axes = op.attr(name)
+            axes = list(axes) if isinstance(axes, (list, tuple)) else [axes]
+            return not axes or 0 in axes
+    return True  # an axis given as an operand (PIR's sum): taken as all
+
+
+def _why(op: Any, reason: str) -> str:
+    return (f"the loss is neither a batch mean nor a batch sum: op '{op.type}' ({', '.join(op.input_arg_names)} -> "
+            f"{', '.join(op.output_arg_names)}) makes it so, {reason}. A pipeline runs the loss per micro-batch and "
+            "must know how to put the micro-batches together: make the loss a mean (paddle.mean) or a sum "
+            "(paddle.sum) over the batch of per-sample terms, or pass loss_reduction='mean' to average the "
+            "micro-batches' gradients whatever the loss (Paddle's pipeline does)")
