@@ -63,6 +63,9 @@ def atomic_directory(path: str, holds: str, what: str) -> Iterator[str]:
             _fsync(os.path.dirname(target))
         os.rename(new, target)
         _fsync(os.path.dirname(target))
+    except OSError as exc:  # a full disk, a quota: say where (errno's own text names a staging file, if any)
+        raise type(exc)(exc.errno, f"{exc.strerror or exc} while saving {what} to {path!r}; the {what[2:]} "
+                                   "that was there, if any, is kept whole") from exc
     finally:
         _settle(staging, target, lock)
 

@@ -8,6 +8,7 @@ hold, so an evaluation clone of a pipelined program sees the trained values.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -18,9 +19,12 @@ from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_
 from .rewrite import build_forward_plan
 from .runtime import state
 from .runtime.devices import Devices
+from .runtime.errors import non_finite_hint
 from .runtime.step import StepRunner
 from .trace import Timeline
 from .train import Options, evaluate, infer_from_dataset, loader_for, take_step, train_from_dataset
+
+log = logging.getLogger("staticpipe")
 
 
 class Executor:
@@ -53,6 +57,7 @@ class Executor:
         self._plain = paddle.static.Executor(self.place)
         self._plain_scope = core.Scope()
         self._forward_twins: dict[Plan, framework.Program] = {}  # training plan -> its forward-only twin
+        self._warned_non_finite = False
         self.trace = trace
 
     global_step = property(lambda self: self._steps.global_step,
@@ -106,9 +111,11 @@ class Executor:
         feed = _one_feed(feed)
         if not feed and plan.data_vars:
             loader = loader_for(program, plan, None, "Executor.run")
-            return self.step(program, take_step(loader, plan.num_microbatches), fetch_list, return_merged)
+            micro = take_step(loader, plan.num_microbatches)
+            return self._pipelined(program, plan, fetch_list, lambda names: self._steps.run_microbatches(
+                plan, micro, names, return_merged), hint=True)
         return self._pipelined(program, plan, fetch_list,
-                               lambda names: self._steps.run(plan, feed, names, return_merged))
+                               lambda names: self._steps.run(plan, feed, names, return_merged), hint=True)
 
     def step(self, program: framework.Program, microbatches: list[dict], fetch_list: Sequence | None = None,
              return_merged: bool = True) -> list:
@@ -128,9 +135,17 @@ class Executor:
                                    "stages' state): create a new Executor and run the startup program")
             yield
 
-    def _pipelined(self, program: framework.Program, plan: Plan, fetch_list: Sequence | None, run: Any) -> list:
+    def _pipelined(self, program: framework.Program, plan: Plan, fetch_list: Sequence | None, run: Any,
+                   hint: bool = False) -> list:
+        """``run`` the step; ``hint``: say once when a fetched value is not finite (``run``'s callers; the
+        training loop says it itself, once per epoch)."""
         state.set_learning_rate(self._devices, program, plan)
-        return run(var_names(fetch_list, program))
+        names = var_names(fetch_list, program)
+        values = run(names)
+        if hint and not self._warned_non_finite and (says := non_finite_hint(names, values)):
+            self._warned_non_finite = True  # once per executor, as train_from_dataset says it once per epoch
+            log.warning("staticpipe: step %d: %s", self._steps.global_step, says)
+        return values
 
     def train_from_dataset(self, program: framework.Program | None = None, dataset: Any = None, scope: Any = None,
                            thread: int = 0, debug: bool = False, fetch_list: Sequence | None = None,

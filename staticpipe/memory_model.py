@@ -22,6 +22,9 @@ largest of those vectors weighted by the stages' bytes per micro-batch.
 """
 from __future__ import annotations
 
+import numbers
+import re
+
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -107,3 +110,27 @@ def human_bytes(n: float) -> str:
     while abs(n) >= 1024 and k < len(units) - 1:
         n, k = n / 1024, k + 1
     return f"{n:.0f} B" if k == 0 else f"{n:.1f} {units[k]}"
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def parse_bytes(value: object, what: str) -> float:
+    """A memory cap in bytes: a positive finite number, or a size such as "8GB", "512 MiB" (KB/MB/GB: 10^3
+    steps, KiB/MiB/GiB: 2^10). ``ValueError`` naming ``what`` for anything else: NaN is no cap (every
+    comparison with it is false), a string is not a list of caps, a bool is no size."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"{what}={value!r} is not a size: give bytes (a number) or a size such as '8GB' or "
+                             "'512MiB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        value = float(m.group(1)) * _UNITS[unit]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be bytes (a number) or a size such as '8GB', got {type(value).__name__}: "
+                         f"{value!r}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{what}={value!r}: a memory cap must be a positive, finite number of bytes "
+                         "(None for no cap)")
+    return float(value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import errno
 import os
 import pickle
 
@@ -288,3 +289,24 @@ def test_what_paddle_static_save_writes_loads(tmp_path, protocol):
     assert staticpipe.load(net.main, str(tmp_path / "single"), exe)["step"] == 0
     for name, value in exe.state_dict(net.main).items():
         np.testing.assert_array_equal(value, np.array(scope.find_var(name).get_tensor()), err_msg=name)
+
+
+def test_a_full_disk_during_a_save_names_the_checkpoint_and_keeps_the_old_one(tmp_path, monkeypatch):
+    net, exe = small()
+    path = str(tmp_path / "ck")
+    staticpipe.save(net.main, path, exe)
+    saved = exe.state_dict(net.main)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path + ".staging", "params"))
+    monkeypatch.setattr(staticpipe.checkpoint.pickled_arrays, "write", full)
+    with pytest.raises(OSError) as err:
+        staticpipe.save(net.main, path, exe)
+    assert err.value.errno == errno.ENOSPC
+    assert str(err.value) == (f"[Errno 28] No space left on device while saving a checkpoint to {path!r}; the "
+                              "checkpoint that was there, if any, is kept whole")
+    monkeypatch.undo()
+    exe.set_state_dict(net.main, {n: v * 0 for n, v in saved.items()})
+    staticpipe.load(net.main, path, exe)
+    assert all(np.array_equal(exe.state_dict(net.main)[n], v) for n, v in saved.items())
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

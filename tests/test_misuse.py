@@ -162,3 +162,18 @@ def test_without_check_finite_a_non_finite_loss_gets_a_hint(capsys):
     assert err.count("is not finite") == 1
     assert ("step 1: loss is not finite: a NaN or Inf reached it; staticpipe.Executor(check_finite=True) stops at "
             "the first op that writes one") in err
+
+
+def test_exe_run_gives_the_same_hint_once(caplog):
+    net = pipelined()
+    exe = started(net)
+    last = net.main.all_parameters()[-2].name
+    exe.set_state_dict(net.main, {last: np.full_like(exe.state_dict(net.main)[last], np.nan)})
+    with caplog.at_level("WARNING", logger="staticpipe"):
+        for _ in range(2):
+            [loss] = exe.run(net.main, feed=net.random_batch(8), fetch_list=[net.loss])
+    assert np.isnan(loss)
+    hints = [r.getMessage() for r in caplog.records if "is not finite" in r.getMessage()]
+    assert hints == [f"staticpipe: step 1: {net.loss.name} is not finite: a NaN or Inf reached it; "
+                     "staticpipe.Executor(check_finite=True) stops at the first op that writes one, naming the "
+                     "stage, micro-batch, op and variable"]

@@ -127,11 +127,29 @@ def test_whole_recompute_prices_none_or_every_stage(profile):
     (dict(schedules=["2F2B"]), "unknown schedule '2F2B'; known schedules: " + ", ".join(
         staticpipe.schedule.registry.KINDS)),
     (dict(time_steps=-1), "time_steps must be an integer >= 0, got -1"),
+    (dict(memory_limit=float("nan")), "memory_limit=nan: a memory cap must be a positive, finite number of bytes "
+                                      "(None for no cap)"),
+    (dict(memory_limit=[float("nan"), 1e9]), "memory_limit[0]=nan: a memory cap must be a positive, finite number "
+                                             "of bytes (None for no cap)"),
+    (dict(memory_limit="8 gigs"), "memory_limit='8 gigs' is not a size: give bytes (a number) or a size such as "
+                                  "'8GB' or '512MiB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"),
+    (dict(memory_limit={"gpu:0": True}), "memory_limit['gpu:0'] must be bytes (a number) or a size such as '8GB', "
+                                         "got bool: True"),
+    (dict(memory_limit=object), "memory_limit must be bytes, a size such as '8GB', one per device or {device: bytes}; "
+                                "got type: <class 'object'>"),
 ])
 def test_bad_arguments_are_named(profile, kw, message):
     with pytest.raises(ValueError) as err:
         plan(profile, **kw)
     assert str(err.value) == message
+
+
+def test_a_size_string_is_a_cap_in_bytes(profile):
+    """"8GB" is 8e9 bytes per device (it was read as a list of three caps), as the number is."""
+    _, by_text = plan(profile, schedules=["1F1B"], memory_limit="2MiB")
+    _, by_number = plan(profile, schedules=["1F1B"], memory_limit=2 * 2 ** 20)
+    assert by_text.memory_limit == by_number.memory_limit == {"gpu:0": 2 ** 21, "gpu:1": 2 ** 21}
+    assert [c.fits for c in by_text.candidates] == [c.fits for c in by_number.candidates]
 
 
 def test_it_needs_times():

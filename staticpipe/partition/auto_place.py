@@ -26,6 +26,7 @@ from . import policies
 from .layers import Layer, forward_ops, group_layers, marker_starts
 from .costs import Profile
 from .profile import profile as run_profile, refuse_measuring_in_launched_job, static_bytes
+from ..memory_model import parse_bytes
 from .table import format_table, human_bytes
 
 POLICIES = ("uniform", "params", "time", "memory")
@@ -178,6 +179,8 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
     ranks = list(dict.fromkeys(devices))
     if policy == "memory" and memory_limit is None:
         raise ValueError("policy 'memory' needs memory_limit= (bytes per device)")
+    if memory_limit is not None:
+        memory_limit = parse_bytes(memory_limit, "memory_limit")
     if policy == "memory" and len(ranks) < p:
         raise ValueError(f"policy 'memory' needs one stage per device; devices {devices} repeat")
     inflight = peak_inflight(make_schedule(kind.name, len(ranks), num_microbatches, p // len(ranks)))

@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
 from ..ir import refuse_pir
-from ..memory_model import DeviceMemory, MemoryModel, StageMemory, human_bytes
+from ..memory_model import DeviceMemory, MemoryModel, StageMemory, human_bytes, parse_bytes
 from ..optimizer import PipelineOptimizer
 from ..placement import place_of
 from ..plan import Plan
@@ -295,15 +295,22 @@ def _cut_cap(caps: Mapping[str, float | None]) -> float | None:
 
 
 def _caps(memory_limit: Any, devices: Sequence[str]) -> dict[str, float | None]:
+    """Each device's cap in bytes (None: none), every one checked by ``parse_bytes``."""
     ranks = list(dict.fromkeys(devices))
-    if memory_limit is None or isinstance(memory_limit, (int, float)):
-        return {d: memory_limit for d in ranks}
+
+    def cap(value: Any, what: str) -> float | None:
+        return None if value is None else parse_bytes(value, what)
+    if memory_limit is None or isinstance(memory_limit, (int, float, str)):
+        return {d: cap(memory_limit, "memory_limit") for d in ranks}
     if isinstance(memory_limit, Mapping):
         unknown = [d for d in memory_limit if d not in ranks]
         if unknown:
             raise ValueError(f"memory_limit names {unknown}, which are not among the devices {ranks}")
-        return {d: memory_limit.get(d) for d in ranks}
+        return {d: cap(memory_limit.get(d), f"memory_limit[{d!r}]") for d in ranks}
+    if not isinstance(memory_limit, Sequence):
+        raise ValueError(f"memory_limit must be bytes, a size such as '8GB', one per device or {{device: bytes}}; "
+                         f"got {type(memory_limit).__name__}: {memory_limit!r}")
     caps = list(memory_limit)
     if len(caps) != len(ranks):
         raise ValueError(f"memory_limit has {len(caps)} entries for the {len(ranks)} devices {ranks}")
-    return dict(zip(ranks, caps))
+    return {d: cap(c, f"memory_limit[{k}]") for k, (d, c) in enumerate(zip(ranks, caps))}

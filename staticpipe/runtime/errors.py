@@ -5,6 +5,8 @@ import contextlib
 import re
 from typing import Iterator
 
+import numpy as np
+
 
 class StageError(RuntimeError):
     """A stage failed; names the stage, its device and the action. ``__cause__`` is the original error."""
@@ -54,3 +56,15 @@ class NonFiniteError(StageError):
             return None
         nans, infs, op, variable = found.groups()
         return cls(error, op, variable, int(nans), int(infs))
+
+
+def non_finite_hint(labels: list[str], values: list) -> str | None:
+    """What to say when a fetched float value holds a NaN or Inf (the first such, by its label), or None.
+    Why a hint and not an error: with ``check_finite`` off (the default) a NaN that reached the loss trains
+    on silently, and a fetched value is where a user sees it first."""
+    for label, value in zip(labels, values):
+        array = np.asarray(value) if value is not None and not isinstance(value, list) else None
+        if array is not None and array.dtype.kind == "f" and not np.isfinite(array).all():
+            return (f"{label} is not finite: a NaN or Inf reached it; staticpipe.Executor(check_finite=True) stops "
+                    "at the first op that writes one, naming the stage, micro-batch, op and variable")
+    return None

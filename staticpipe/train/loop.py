@@ -12,6 +12,7 @@ from .. import checkpoint
 from .._paddle import framework, np
 from ..ir import var_names
 from ..plan import Plan, require_plan
+from ..runtime.errors import non_finite_hint
 from .feeding import loader_for, steps
 from .progress import Progress
 
@@ -95,11 +96,9 @@ def _epoch(exe: "Executor", program: framework.Program, runs: framework.Program,
                     program.lr_scheduler.step()
                 history.append(values[:len(names)])
                 handler.update(values[len(names):])
-                if not warned_non_finite and (bad := _non_finite(labels, values[:len(names)])):
+                if not warned_non_finite and (hint := non_finite_hint(labels, values[:len(names)])):
                     warned_non_finite = True
-                    progress.note(f"step {len(history)}: {bad} is not finite: a NaN or Inf reached it; "
-                                  "staticpipe.Executor(check_finite=True) stops at the first op that writes one, "
-                                  "naming the stage, micro-batch, op and variable")
+                    progress.note(f"step {len(history)}: {hint}")
                 progress.update(len(micro) * len(next(iter(micro[0].values()))), values[:len(names)],
                                 time.perf_counter() - started)
                 if exe.trace and len(history) % period == 0:
@@ -150,15 +149,6 @@ class _Handler:
             return
         self.last = time.monotonic()
         self.handler.handler({k: None if v is None else np.asarray(v) for k, v in zip(self.keys, values)})
-
-
-def _non_finite(labels: list[str], values: list) -> str | None:
-    """The label of the first fetched float value holding a NaN or Inf, if any."""
-    for label, value in zip(labels, values):
-        array = np.asarray(value) if value is not None else None
-        if array is not None and array.dtype.kind == "f" and not np.isfinite(array).all():
-            return label
-    return None
 
 
 def _due(exe: "Executor", options: Options) -> bool:
