@@ -1,6 +1,7 @@
 """Pipeline programs written the way Paddle's authors write them, ported by names only, train as one
 device does: readers of ``paddle.dataset.*`` style (flat samples, int labels) fed as Paddle's DataFeeder
-feeds them, and a forward value the program marks persistable.
+feeds them, a forward value the program marks persistable, and ops guarded "gpu:all" (in threads and in
+two launched processes).
 
 Every test trains the same program on one device with Paddle's own loader and executor (the global
 batch: a step's micro-batches together) and compares every parameter (rtol 1e-5).
@@ -33,14 +34,16 @@ def network(pipelined: bool, persistable_hidden: bool = False):
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = 5
     with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        with guard("gpu:all"):  # Paddle's: a value every stage that reads it may compute
+            half = paddle.full([1], 0.5, "float32")
         with guard("gpu:0"):
             pixel = paddle.static.data("pixel", [-1, 1, 4, 4], "float32")
             label = paddle.static.data("label", [-1, 1], "int64")
-            hidden = paddle.static.nn.fc(paddle.flatten(pixel, 1), 8, activation="relu")
+            hidden = paddle.static.nn.fc(paddle.flatten(pixel, 1) * half, 8, activation="relu")
             if persistable_hidden:
                 hidden.persistable = True  # Paddle warns, and trains
         with guard("gpu:1"):
-            logits = paddle.static.nn.fc(hidden, 3)
+            logits = paddle.static.nn.fc(hidden, 3) * (half + 1.0)
             loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, label))
         opt = paddle.optimizer.Momentum(0.1, momentum=0.9)
         if pipelined:
