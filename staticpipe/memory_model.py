@@ -116,7 +116,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 *
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
 
 
-def parse_bytes(value: object, what: str) -> float:
+def parse_bytes(value: object, what: str) -> int | float:
     """A memory cap in bytes: a positive finite number, or a size such as "8GB", "512 MiB" (KB/MB/GB: 10^3
     steps, KiB/MiB/GiB: 2^10). ``ValueError`` naming ``what`` for anything else: NaN is no cap (every
     comparison with it is false), a string is not a list of caps, a bool is no size."""
@@ -127,10 +127,11 @@ def parse_bytes(value: object, what: str) -> float:
             raise ValueError(f"{what}={value!r} is not a size: give bytes (a number) or a size such as '8GB' or "
                              "'512MiB' (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
         value = float(m.group(1)) * _UNITS[unit]
+        value = int(value) if value.is_integer() else value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{what} must be bytes (a number) or a size such as '8GB', got {type(value).__name__}: "
                          f"{value!r}")
     if not value > 0 or value == float("inf"):
         raise ValueError(f"{what}={value!r}: a memory cap must be a positive, finite number of bytes "
                          "(None for no cap)")
-    return float(value)
+    return value  # as given: an int stays an int (reports print whole bytes)

@@ -26,7 +26,7 @@ _KEEP = {"scale", "cast", "assign"}
 _ADD = {"elementwise_add", "elementwise_sub", "add", "subtract"}
 _MUL = {"elementwise_mul", "multiply"}
 _DIV = {"elementwise_div", "divide"}
-_MEANS = {"mean", "reduce_mean"}
+_MEANS = {"mean", "reduce_mean", "mean_all"}  # mean_all: PIR's mean of every element
 _SUMS = {"reduce_sum"}  # and PIR's "sum" (legacy "sum" is add_n: terms)
 
 
