@@ -289,3 +289,20 @@ def learning_rate_var(program) -> str:
     names = {op.input("LearningRate")[0] for op in program.global_block().ops if "LearningRate" in op.input_names}
     assert len(names) == 1, names
     return names.pop()
+
+
+def launch_script(tmp_path, template: str, nprocs: int):
+    """Write ``template`` (formatted with ``repo``, ``tests`` and ``out``: tmp_path) as a script and run it as
+    a job of ``nprocs`` processes (``staticpipe.launch``; 1: plainly); fail with its stderr if it fails."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "train.py"
+    script.write_text(template.format(repo=repo, tests=os.path.join(repo, "tests"), out=str(tmp_path)))
+    launcher = ["-m", "staticpipe.launch", "--nprocs", str(nprocs)] if nprocs > 1 else []
+    result = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, timeout=240,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -5,15 +5,11 @@ is checked against single-device training of the same program (rtol 1e-5), in th
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 import staticpipe
 from models.network import Network
-from pipeline_util import assert_same_training, train_twins
+from pipeline_util import assert_same_training, launch_script, train_twins
 from staticpipe._paddle import PADDLE_MAJOR, np, paddle
 
 pytestmark = pytest.mark.timeout(300)
@@ -122,12 +118,8 @@ np.savez(os.path.join({out!r}, f"state_{{rank}}.npz"), **exe.state_dict(net.main
 
 def test_every_kind_of_value_crosses_processes(tmp_path):
     """Three launched processes (gloo) train exactly as the threaded run does, bit for bit."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(repo=repo, tests=os.path.join(repo, "tests"), out=str(tmp_path)))
-    for cmd in ([sys.executable, str(script)], [sys.executable, "-m", "staticpipe.launch", "--nprocs", "3", str(script)]):
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
+    for nprocs in (1, 3):
+        launch_script(tmp_path, SCRIPT, nprocs)
     single = dict(np.load(tmp_path / "state_single.npz"))
     launched = {}
     for rank in range(3):

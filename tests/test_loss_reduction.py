@@ -4,13 +4,11 @@ not averaged (rewrite/loss.py); a loss that is neither a batch mean nor a batch 
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 
 import staticpipe
+from pipeline_util import launch_script
 from staticpipe._paddle import PADDLE_MAJOR, np, paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,12 +139,7 @@ np.save(os.path.join({out!r}, f"losses_{{rank}}.npy"), np.array([losses, ref_los
 
 def test_a_sum_reduced_loss_adds_the_replicas_gradients_and_losses(tmp_path):
     """2 replicas x 2 stages (4 processes): the global batch's sum, as on one device."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "train.py"
-    script.write_text(LAUNCHED.format(repo=repo, tests=os.path.join(repo, "tests"), out=str(tmp_path)))
-    result = subprocess.run([sys.executable, "-m", "staticpipe.launch", "--nprocs", "4", str(script)],
-                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_script(tmp_path, LAUNCHED, 4)
     ref = dict(np.load(tmp_path / "ref_0.npz"))
     got = {**np.load(tmp_path / "got_0.npz"), **np.load(tmp_path / "got_1.npz")}
     for name, value in ref.items():

@@ -9,13 +9,11 @@ batch: a step's micro-batches together) and compares every parameter (rtol 1e-5)
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 
 import staticpipe
+from pipeline_util import launch_script
 from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -182,12 +180,7 @@ np.savez(os.path.join({out!r}, f"state_{{rank}}.npz"), **exe.state_dict(main))
 def test_a_flat_reader_and_a_persistable_activation_launched_train_as_on_one_device(tmp_path):
     """The same program in 2 launched processes (gloo): each rank's loader feeds as Paddle's DataFeeder,
     the persistable activation crosses processes as an activation; the state equals one device's."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "train.py"
-    script.write_text(LAUNCHED.format(repo=repo, tests=os.path.join(repo, "tests"), out=str(tmp_path)))
-    result = subprocess.run([sys.executable, "-m", "staticpipe.launch", "--nprocs", "2", str(script)],
-                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_script(tmp_path, LAUNCHED, 2)
     _, want, _, _ = one_device(persistable_hidden=True)
     got = {**np.load(tmp_path / "state_0.npz"), **np.load(tmp_path / "state_1.npz")}
     for name, value in want.items():
