@@ -41,7 +41,7 @@ class Executor:
     named get 1). ``trace`` records the start and end of every action; ``timeline`` returns the last step's.
     ``check_finite``: stop at the first NaN or Inf any op writes, with a ``NonFiniteError`` naming the stage,
     the action (so the micro-batch), the op and the variable (Paddle's ``FLAGS_check_nan_inf``, set for the
-    duration of each step; it is process-wide, so other executors' steps meanwhile are checked too).
+    duration of each step; it is process-wide, so steps of executors that do not check wait meanwhile).
 
     Calls from several threads run one after the other (a step, a state read or write at a time).
     """

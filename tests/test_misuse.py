@@ -177,3 +177,35 @@ def test_exe_run_gives_the_same_hint_once(caplog):
     assert hints == [f"staticpipe: step 1: {net.loss.name} is not finite: a NaN or Inf reached it; "
                      "staticpipe.Executor(check_finite=True) stops at the first op that writes one, naming the "
                      "stage, micro-batch, op and variable"]
+
+
+def test_one_executors_check_finite_never_reaches_another_executors_steps():
+    """Paddle's NaN/Inf check is one process-wide flag. An executor that checks (its steps failing on a NaN
+    weight) and one that does not (its steps making an Inf on the way, which it does not ask about) step
+    at once from two threads: every unchecked step trains, every checked one stops with NonFiniteError."""
+    import threading
+
+    checked, unchecked = pipelined(), pipelined()
+    exe_checked, exe_unchecked = started(checked, check_finite=True), started(unchecked)
+    last = checked.main.all_parameters()[-2].name
+    exe_checked.set_state_dict(checked.main, {last: np.full_like(exe_checked.state_dict(checked.main)[last], np.nan)})
+    inf_batch = unchecked.random_batch(8)
+    inf_batch["features"][0, 0] = np.inf  # ReLU turns inf * w into inf or 0: an Inf inside, never fetched
+    errors: dict[str, list] = {"checked": [], "unchecked": []}
+
+    def steps(exe, net, batch, key):
+        for _ in range(15):
+            try:
+                exe.run(net.main, feed=batch)
+            except Exception as exc:  # noqa: BLE001 -- collected and asserted below
+                errors[key].append(type(exc).__name__)
+
+    threads = [threading.Thread(target=steps, args=(exe_checked, checked, checked.random_batch(8), "checked")),
+               threading.Thread(target=steps, args=(exe_unchecked, unchecked, inf_batch, "unchecked"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors["unchecked"] == []
+    assert errors["checked"] == ["NonFiniteError"] * 15
+    assert not paddle.get_flags("FLAGS_check_nan_inf")["FLAGS_check_nan_inf"]  # put back after the steps

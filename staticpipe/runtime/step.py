@@ -13,7 +13,9 @@ out once per plan.
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
 
 from .._paddle import core, np, paddle
 from ..io import FeedSpec, split_microbatches
@@ -27,6 +29,39 @@ from .worker import RankProgram, StepJob, StepResult
 
 
 NAN_INF_FLAG = "FLAGS_check_nan_inf"
+
+
+class _NanInfGate:
+    """Paddle's NaN/Inf check is one process-wide flag, read by every op of every executor: a step of an
+    executor that checks and a step of one that does not must not overlap, or the second fails with
+    Paddle's raw "There are NAN or INF" at a random op (once mid-optimize, where stages may then disagree).
+    Steps that want the same setting run together; a step that wants the other waits for them to end.
+    The flag is put back as it was once the last of them ends (plain Paddle runs see the user's own)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running: dict[bool, int] = {False: 0, True: 0}
+        self._before: Any = None
+
+    @contextlib.contextmanager
+    def held(self, check: bool) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._running[not check] == 0)
+            if self._running[check] == 0:
+                self._before = paddle.get_flags(NAN_INF_FLAG)
+                paddle.set_flags({NAN_INF_FLAG: check})
+            self._running[check] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running[check] -= 1
+                if self._running[check] == 0:
+                    paddle.set_flags(self._before)
+                self._cond.notify_all()
+
+
+NAN_INF_GATE = _NanInfGate()
 
 
 class StepRunner:
@@ -151,13 +186,16 @@ class StepRunner:
         jobs = [(plan.ranks[rank], StepJob(plan, program, feeds, fetch, channel, self._places[plan],
                                            micro_batch_size, shapes, record)) for rank, program in programs.items()]
         here = jobs.pop(0) if self.devices.world is None else None
-        flags = paddle.get_flags(NAN_INF_FLAG)
         futures: list[cf.Future] = []
+        with NAN_INF_GATE.held(self.check_finite):  # process-wide: no step of another setting meanwhile
+            return self._run_jobs(jobs, here, futures, channel, local)
+
+    def _run_jobs(self, jobs: list, here: tuple | None, futures: list[cf.Future], channel: Any,
+                  local: list) -> dict[str, list]:
         try:  # from the first hand-off on: an interrupt anywhere must stop the jobs handed out (_settle)
             for device, job in jobs:
                 futures.append(future := cf.Future())  # ours before the hand-off, which an interrupt may cut short
                 self.devices.submit(device, future, self.devices.worker(device).run_step, job)
-            paddle.set_flags({NAN_INF_FLAG: self.check_finite})  # process-wide: set for this step, then put back
             results, failure = [], None
             if here is not None:
                 try:
@@ -178,8 +216,6 @@ class StepRunner:
             if non_finite is not None:
                 raise non_finite from exc
             raise
-        finally:
-            paddle.set_flags(flags)
         fetched: dict[str, list] = {}
         for r in results:
             fetched.update(r.fetched)
