@@ -127,3 +127,38 @@ def test_every_kind_of_value_crosses_processes(tmp_path):
     assert sorted(launched) == sorted(single)
     for name, value in single.items():
         np.testing.assert_array_equal(launched[name], value, err_msg=name)
+
+
+def data_linear_net(guarded: bool = True) -> Network:
+    """Stage 1 is a bias-free linear on a data feed: its backward has nothing to compute (no activation
+    gradient is needed), its weight half reads the gradient stage 2 sends."""
+    def on(device):
+        return staticpipe.device_guard(device) if guarded else _nothing()
+
+    paddle.enable_static()
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    startup.random_seed = 2
+    with paddle.utils.unique_name.guard(), paddle.static.program_guard(main, startup):
+        with on("gpu:0"):
+            x = paddle.static.data("features", [None, 6], "float32")
+            a = paddle.static.nn.fc(x, 6, activation="tanh")
+        with on("gpu:1"):
+            z = paddle.static.data("side", [None, 6], "float32")
+            h = paddle.matmul(z, paddle.static.create_parameter([6, 6], "float32"))
+        with on("gpu:2"):
+            label = paddle.static.data("label", [None, 1], "int64")
+            logits = paddle.static.nn.fc(h + a, 3)
+            loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, label, reduction="none"))
+    return Network(main, startup, [x, z, label], loss, {"logits": logits},
+                   ["gpu:0", "gpu:1", "gpu:2"] if guarded else [])
+
+
+@pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-2P", "1F1B"])
+def test_a_gradient_for_a_weight_half_alone_is_received_with_its_backward(schedule):
+    """It was refused ("schedules move cut variables only between forward and backward sections"): the
+    gradient now travels to stage 1's B, which keeps it for its W."""
+    twin = train_twins(data_linear_net, lambda: paddle.optimizer.Momentum(0.1, momentum=0.9), steps=3,
+                       batch_size=8, num_microbatches=4, schedule=schedule)
+    assert_same_training(twin)
+    into_stage_1 = [r for r in twin.plan.routes if r.dst.stage == 1 and r.src.stage == 2]
+    assert [r.dst.kind for r in into_stage_1] == ["backward"]

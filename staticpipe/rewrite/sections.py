@@ -206,9 +206,14 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
                                  "later in the micro-batch's path: data may only flow forward through the "
                                  "stages and gradients backward")
             else:
-                route_vars[(src, ref)].append(name)
+                # a weight-gradient half reading another stage's gradient (the W of a bias-free linear on a
+                # data feed, whose B computes nothing) receives it with its stage's B, which keeps it for W
+                dst = SectionRef(ref.stage, BACKWARD) if ref.kind == WEIGHT else ref
+                route_vars[(src, dst)].append(name)
                 secs[src].keep.add(name)
-                here[name] = ref
+                if dst != ref:
+                    secs[dst].keep.add(name)
+                here[name] = dst
         for name in sec.writes:
             here.setdefault(name, ref)
 
