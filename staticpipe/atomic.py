@@ -64,8 +64,8 @@ def atomic_directory(path: str, holds: str, what: str) -> Iterator[str]:
         os.rename(new, target)
         _fsync(os.path.dirname(target))
     except OSError as exc:  # a full disk, a quota: say where (errno's own text names a staging file, if any)
-        raise type(exc)(exc.errno, f"{exc.strerror or exc} while saving {what} to {path!r}; the {what[2:]} "
-                                   "that was there, if any, is kept whole") from exc
+        raise type(exc)(exc.errno, f"{exc.strerror or exc} while saving {what} to {path!r}; what was there "
+                                   "before, if anything, is kept whole") from exc
     finally:
         _settle(staging, target, lock)
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import placement
-from ._paddle import OP_DEVICE, OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, framework, paddle
+from ._paddle import OP_ROLE, ROLE_BACKWARD, ROLE_OPTIMIZE, core, framework, paddle
 from .capabilities import bf16_kernel_op, require_bf16
 from .pir_ir import Gradients, differentiate, is_pir_value
 from .pir_view import PirView
@@ -218,18 +218,10 @@ def _check_bf16(inner: Any, program: Any) -> None:
         found = bf16_kernel_op(program)
         if found is None:
             return
-        what, ops = found[1], [found[0]] if _tag(found[0]) else program.global_block().ops  # untagged: joins a stage
+        what, ops = found[1], [found[0]] if placement.op_device(found[0]) else program.global_block().ops  # untagged: joins a stage
     mapping = placement.device_map()
-    for device in sorted({d for d in map(_tag, ops) if d}) or ["gpu:0"]:  # no guard at all: one stage, on gpu:0
+    for device in sorted({d for d in map(placement.op_device, ops) if d}) or ["gpu:0"]:  # no guard at all: one stage, on gpu:0
         require_bf16(device, placement.place_of(mapping.get(device, device)), what)
-
-
-def _tag(op: Any) -> str | None:
-    """The normalised ``op_device`` of a legacy or PIR op, or None."""
-    if hasattr(op, "str_attr"):
-        tag = op.str_attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
-        return str(placement.parse_device(tag)) if tag and tag != placement.ALL_DEVICES else None
-    return placement.op_device(op)
 
 
 def _is_paddle_optimizer(optimizer: Any) -> bool:

@@ -53,9 +53,12 @@ ALL_DEVICES = "gpu:all"  # Paddle's guard for ops every stage that needs their o
 
 
 def op_device(op: framework.Operator) -> str | None:
-    """The normalised device an op's ``op_device`` tag names, or None for an untagged op and for one tagged
-    ``"gpu:all"``: both are stage-free, and go where their inputs and readers put them."""
-    dev = op.attr(OP_DEVICE) if op.has_attr(OP_DEVICE) else ""
+    """The normalised device an op's ``op_device`` tag names (a legacy op, or a PIR operation, which
+    ``device_guard`` tags itself), or None for an untagged op and for one tagged ``"gpu:all"``: both are
+    stage-free, and go where their inputs and readers put them."""
+    if not op.has_attr(OP_DEVICE):
+        return None
+    dev = op.str_attr(OP_DEVICE) if hasattr(op, "str_attr") else op.attr(OP_DEVICE)  # a PIR operation, or legacy
     return str(parse_device(dev)) if dev and dev.strip().lower() != ALL_DEVICES else None
 
 

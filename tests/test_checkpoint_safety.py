@@ -303,8 +303,8 @@ def test_a_full_disk_during_a_save_names_the_checkpoint_and_keeps_the_old_one(tm
     with pytest.raises(OSError) as err:
         staticpipe.save(net.main, path, exe)
     assert err.value.errno == errno.ENOSPC
-    assert str(err.value) == (f"[Errno 28] No space left on device while saving a checkpoint to {path!r}; the "
-                              "checkpoint that was there, if any, is kept whole")
+    assert str(err.value) == (f"[Errno 28] No space left on device while saving a checkpoint to {path!r}; what "
+                              "was there before, if anything, is kept whole")
     monkeypatch.undo()
     exe.set_state_dict(net.main, {n: v * 0 for n, v in saved.items()})
     staticpipe.load(net.main, path, exe)

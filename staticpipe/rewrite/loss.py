@@ -64,7 +64,7 @@ def _kind(name: str, producer: dict[str, Any], depends: set[str]) -> str:
     t = op.type
     if t in _KEEP:
         return _kind(op.input_arg_names[0], producer, depends)
-    if t in _ADD or (t == "sum" and getattr(op, "_sum_inputs", 0)) or (t == "sum" and not hasattr(op, "op")):
+    if t in _ADD or _adds_terms(op):
         kinds = {_kind(n, producer, depends) for n in op.input_arg_names}
         terms = kinds - {CONSTANT}
         if len(terms) == 1 and not (terms == {SUM} and CONSTANT in kinds):
@@ -76,20 +76,25 @@ def _kind(name: str, producer: dict[str, Any], depends: set[str]) -> str:
         if kinds.count(CONSTANT) == 1 and (t in _MUL or kinds[1] == CONSTANT):
             return next(k for k in kinds if k != CONSTANT)
         raise NotAReduction(_why(op, "both of its operands depend on the batch"))
-    if t in _MEANS or t in _SUMS or t == "sum":
+    if t in _MEANS or t in _SUMS or t == "sum":  # "sum" here: PIR's reduce sum (add_n went above)
         if not _over_batch(op):
             raise NotAReduction(_why(op, "it reduces other dimensions than the batch's"))
         return MEAN if t in _MEANS else SUM
     raise NotAReduction(_why(op, "it is not a mean or a sum over the batch"))
 
 
+def _adds_terms(op: Any) -> bool:
+    """Whether a "sum" op adds its inputs (legacy ``sum`` is add_n; on PIR, a ``PirOp`` with an op of its
+    own, only the fused combine + add_n does, ``sum`` being the reduction)."""
+    return op.type == "sum" and (not hasattr(op, "op") or bool(getattr(op, "_sum_inputs", 0)))
+
+
 def _over_batch(op: Any) -> bool:
     """Whether a reduce op reduces dimension 0 (all of them, or a list holding 0)."""
     if op.type == "mean" and not hasattr(op, "op"):
         return True  # the legacy "mean" op reduces everything
-    for flag in ("reduce_all",):
-        if op.has_attr(flag) and op.attr(flag):
-            return True
+    if op.has_attr("reduce_all") and op.attr("reduce_all"):
+        return True
     for name in ("dim", "axis"):
         if op.has_attr(name):
             axes = op.attr(name)

@@ -186,12 +186,11 @@ class StepRunner:
         jobs = [(plan.ranks[rank], StepJob(plan, program, feeds, fetch, channel, self._places[plan],
                                            micro_batch_size, shapes, record)) for rank, program in programs.items()]
         here = jobs.pop(0) if self.devices.world is None else None
-        futures: list[cf.Future] = []
         with NAN_INF_GATE.held(self.check_finite):  # process-wide: no step of another setting meanwhile
-            return self._run_jobs(jobs, here, futures, channel, local)
+            return self._run_jobs(jobs, here, channel, local)
 
-    def _run_jobs(self, jobs: list, here: tuple | None, futures: list[cf.Future], channel: Any,
-                  local: list) -> dict[str, list]:
+    def _run_jobs(self, jobs: list, here: tuple | None, channel: Any, local: list) -> dict[str, list]:
+        futures: list[cf.Future] = []
         try:  # from the first hand-off on: an interrupt anywhere must stop the jobs handed out (_settle)
             for device, job in jobs:
                 futures.append(future := cf.Future())  # ours before the hand-off, which an interrupt may cut short

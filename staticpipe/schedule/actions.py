@@ -89,6 +89,12 @@ class Action:
             return f"{self.stage}F{self.microbatch}&{self.b_stage}B{self.b_microbatch}"
         return f"{self.stage}{self.kind.value}{self.microbatch}"
 
+    @property
+    def key(self) -> tuple:
+        """(kind, stage, micro-batch): what names a compute action in the schedulers' and the dry run's
+        tables, cheaper to build and hash than an Action where thousands are looked up."""
+        return self.kind, self.stage, self.microbatch
+
     def halves(self) -> tuple["Action", ...]:
         """What the action computes, as F/B/W/OPT actions: an FB's F and B halves, else the action itself."""
         if self.kind is Kind.FB:

@@ -38,13 +38,9 @@ def fail(rank: int, step: int, action: Action, problem: str) -> ScheduleError:
 
 
 def _dependencies(a: Action, num_stages: int, lowered: bool) -> list[tuple]:
-    """The actions ``a`` waits for, other than the previous one on its rank (RECV and OPT aside), as
-    ``_key``s: a dry run of thousands of actions looks each up, and a tuple is cheaper than an Action."""
+    """The actions ``a`` waits for, other than the previous one on its rank (RECV and OPT aside), as their
+    ``Action.key``s."""
     return [d for h in a.halves() if (d := _dependency(h, num_stages, lowered)) is not None]
-
-
-def _key(a: Action) -> tuple:
-    return a.kind, a.stage, a.microbatch
 
 
 def _dependency(a: Action, num_stages: int, lowered: bool) -> tuple | None:
@@ -75,7 +71,7 @@ def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], fl
     clock = dict.fromkeys(ranks, 0.0)
     first_opt = {r: next((i for i, a in enumerate(acts) if a.kind is Kind.OPT), len(acts))
                  for r, acts in schedule.items()}
-    done: dict[tuple, float] = {}  # compute action (its _key) -> its end
+    done: dict[tuple, float] = {}  # compute action (its key) -> its end
     sent: dict[tuple, tuple[int, int, Action]] = {}  # (route, micro-batch) -> rank, step, SEND
     sent_at: dict[tuple, float] = {}  # (route, micro-batch) -> end of its SEND
     received: set[tuple] = set()
@@ -122,7 +118,7 @@ def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], fl
                 elif a.kind is Kind.RECV:
                     received.add((a.route, a.microbatch))
                 else:
-                    done.update(dict.fromkeys(map(_key, a.halves()), end))
+                    done.update(dict.fromkeys((h.key for h in a.halves()), end))
                 ptr[r] += 1
                 reach(r)
                 progressed = True

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Collection
 
 from .actions import Action, Kind, Schedule
-from .execution import Event, _dependencies, _key
+from .execution import Event, _dependencies
 
 EPS = 1e-12
 
@@ -33,7 +33,7 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
                  for r, acts in schedule.items()}
     left: dict[int, float] = {}  # rank -> work left of the action it is running
     started: dict[int, float] = {}
-    done: set[tuple] = set()  # compute actions (execution._key) that have ended
+    done: set[tuple] = set()  # compute actions (their keys) that have ended
     sent: set[tuple] = set()
     events: list[Event] = []
     now = 0.0
@@ -52,7 +52,7 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
         if a.kind is Kind.SEND:
             sent.add((a.route, a.microbatch))
         elif a.kind is not Kind.RECV:
-            done.update(map(_key, a.halves()))
+            done.update(h.key for h in a.halves())
         ptr[r] += 1
 
     while True:

@@ -106,7 +106,7 @@ class _ListScheduler:
         # rule 1b: p ranks x S/p chunks, 1F1B's first-stage peak in (stage, mb) pairs, times ``memory``
         self.cap = memory * self.num_stages
         self.ahead = [memory * (self.num_stages - s) - (memory - 1) for s in range(self.num_stages)]  # rule 1a
-        self.end: dict[tuple, float] = {}  # (kind, stage, micro-batch) of each started action -> its end
+        self.end: dict[tuple, float] = {}  # each started action's key -> its end
         self.next_f = [0] * self.num_stages
         self.before_b: list[set[int]] = [set() for _ in stage_ranks]  # F started, B not
         self.before_w: list[set[int]] = [set() for _ in stage_ranks]  # B started, W not
@@ -174,7 +174,7 @@ class _ListScheduler:
         seconds = self.duration(a)
         if seconds < 0:
             raise ValueError(f"costs give action {a} a negative duration ({seconds})")
-        self.end[(a.kind, a.stage, a.microbatch)] = now + seconds
+        self.end[a.key] = now + seconds
         if a.kind is Kind.F:
             self.next_f[a.stage] += 1
             self.before_b[a.stage].add(a.microbatch)
