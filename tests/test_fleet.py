@@ -86,6 +86,18 @@ def test_the_fleet_script_runs_on_pir_as_on_the_legacy_ir(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "losses_single.npy"), losses, rtol=1e-5)
 
 
+def test_the_fleet_script_under_paddles_own_launcher_trains_like_one_device(tmp_path):
+    """``python -m paddle.distributed.launch --nproc_per_node 2``, as a fleet script is started: 2 stages."""
+    launcher = subprocess.run([sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path / "log"),
+                               "--nproc_per_node", "2", EXAMPLE, "--steps", str(STEPS), "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    logs = "".join(p.read_text()[-1500:] for p in sorted((tmp_path / "log").glob("workerlog.*")))
+    assert launcher.returncode == 0, launcher.stdout[-1500:] + logs
+    want, losses = one_device(1, False)
+    assert_params({**np.load(tmp_path / "params_0.npz"), **np.load(tmp_path / "params_1.npz")}, want)
+    np.testing.assert_allclose(np.load(tmp_path / "losses_1.npy"), losses, rtol=1e-5)  # the last stage's rank
+
+
 def test_the_fleet_script_launched_two_replicas_of_two_stages_each_fed_its_own_batches(tmp_path):
     """4 processes, hybrid_configs dp 2 x pp 2: each replica's loader yields its own micro-batches of
     micro_batch_size (Paddle's meaning); the global batch is 2 x 4 x 8 and training equals one device on it."""
