@@ -8,7 +8,8 @@ Two tables, each row a size, each column seconds, and between consecutive rows t
    makes) and staticpipe's (stage assignment, sections, plan, schedule, memory model) apart; work = the
    differentiated program's ops.
 2. every schedule's generation, validation and simulation (``python -m staticpipe.schedule``'s work)
-   at p = 16, 32, 64 ranks and m = 8 p micro-batches; work = the schedule's compute actions.
+   at p = 16, 32, 64 ranks with m = 8 p micro-batches, and p = 64 with m = 1024; work = the schedule's
+   compute actions.
 
     python bench/scale.py [--quick]      # --quick: the smaller sizes only
 The machine's CPU is printed first (compare ratios, not times, between machines).
@@ -76,16 +77,16 @@ def minimize_sizes(quick: bool) -> None:
 
 
 def schedule_sizes(quick: bool) -> None:
-    ranks = [16, 32] if quick else [16, 32, 64]
-    print("\nschedules: generate / validate / simulate (seconds), m = 8 p")
+    sizes = [(16, 128), (32, 256)] if quick else [(16, 128), (32, 256), (64, 512), (64, 1024)]
+    print("\nschedules: generate / validate / simulate (seconds); issue #28's targets: p=64 m=512 <= 2 s, "
+          "m=1024 <= 5 s")
     print(f"{'schedule':<12} {'p':>3} {'m':>5} {'actions':>8} {'generate':>9} {'validate':>9} {'simulate':>9} "
           f"{'total':>7} {'exp':>5}")
     for name in sorted(KINDS):
         kind = get_kind(name)
         chunks = kind.chunks or 1
         rows, lines = [], []
-        for p in ranks:
-            m = 8 * p
+        for p, m in sizes:
             t0 = time.perf_counter()
             schedule = make_schedule(kind.name, p, m, chunks)
             t1 = time.perf_counter()

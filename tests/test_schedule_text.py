@@ -1,7 +1,6 @@
 """Text and JSON forms of actions and schedules: printing, parsing, round trips, and their errors."""
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -32,7 +31,7 @@ def test_round_trips(name, p, m, v):
     assert schedule_from_json(schedule_to_json(lowered)) == lowered  # JSON keeps the routes
     # the text names a message by its stages and channel only, not its route index
     assert parse_schedule(format_schedule(lowered)) == {
-        r: [dataclasses.replace(a, route=None) for a in acts] for r, acts in lowered.items()}
+        r: [a._replace(route=None) for a in acts] for r, acts in lowered.items()}
 
 
 def test_action_kind_from_text():

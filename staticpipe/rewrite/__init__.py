@@ -10,6 +10,7 @@ import contextlib
 from typing import Iterable
 
 from .._paddle import framework
+from ..gc_paused import gc_paused
 from ..ir import is_pir_program, np_dtype
 from ..pir_ir import Gradients
 from ..pir_view import PirView
@@ -42,6 +43,7 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
                                                      schedule_costs, dp_degree))
 
 
+@gc_paused()  # thousands of ops' section programs and a schedule of up to 10^6 actions: see gc_paused
 def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) -> Plan:
     """``build_plan`` with options already checked (``PipelineOptimizer`` checks them when constructed)."""
     custom = options.custom

@@ -17,6 +17,8 @@ are done, the ranks wait on each other forever.
 """
 from __future__ import annotations
 
+import heapq
+from operator import itemgetter
 from typing import Callable
 
 from .actions import Action, Kind, Schedule
@@ -44,17 +46,33 @@ def _dependencies(a: Action, num_stages: int, lowered: bool) -> list[tuple]:
 
 
 def _dependency(a: Action, num_stages: int, lowered: bool) -> tuple | None:
-    if a.kind is Kind.W:
-        return Kind.B, a.stage, a.microbatch
-    if a.kind is Kind.B and a.stage == num_stages - 1:
-        return Kind.F, a.stage, a.microbatch
+    kind, stage, mb = a[:3]
+    if kind is Kind.W:
+        return Kind.B, stage, mb
+    if kind is Kind.B and stage == num_stages - 1:
+        return Kind.F, stage, mb
     if lowered:
         return None
-    if a.kind is Kind.F and a.stage > 0:
-        return Kind.F, a.stage - 1, a.microbatch
-    if a.kind is Kind.B:
-        return Kind.B, a.stage + 1, a.microbatch
+    if kind is Kind.F and stage > 0:
+        return Kind.F, stage - 1, mb
+    if kind is Kind.B:
+        return Kind.B, stage + 1, mb
     return None
+
+
+def is_lowered(schedule: Schedule) -> bool:
+    """Whether the schedule has its SEND/RECV actions (then F and B wait for messages, not actions)."""
+    return any(Kind.SEND in kinds or Kind.RECV in kinds for kinds in map(_kinds, schedule.values()))
+
+
+def _kinds(actions: list[Action]) -> list[Kind]:
+    return list(map(itemgetter(0), actions))  # a C-level pass: schedules at scale hold 10^5-10^6 actions
+
+
+def first_opt_step(actions: list[Action]) -> int:
+    """The step of the rank's first OPT, or the length of its list."""
+    kinds = _kinds(actions)
+    return kinds.index(Kind.OPT) if Kind.OPT in kinds else len(kinds)
 
 
 def _awaited_send(recv: Action) -> str:
@@ -64,66 +82,113 @@ def _awaited_send(recv: Action) -> str:
 def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], float],
             collectives: bool = False) -> list[Event]:
     """The (rank, action, start, end) of every action, each rank's in list order; ``ScheduleError`` on
-    a deadlock, a message sent twice, received twice, received by the wrong stage, or never received."""
-    lowered = any(a.kind in (Kind.SEND, Kind.RECV) for acts in schedule.values() for a in acts)
+    a deadlock, a message sent twice, received twice, received by the wrong stage, or never received.
+
+    Ranks are visited in turns, in rank order, each running as far as it can. A blocked rank is not
+    looked at again until what it waits for is done: then in this turn if its place comes later, else
+    in the next -- exactly where visiting every rank every turn would find it ready, without the
+    visits that find it still blocked (thousands of turns at 64 ranks). What an action waits for is
+    ``_dependency``'s rule, spelled out inline: this loop runs once per action of schedules with
+    hundreds of thousands."""
+    lowered = is_lowered(schedule)
     ranks = sorted(schedule)
     ptr = dict.fromkeys(ranks, 0)
     clock = dict.fromkeys(ranks, 0.0)
-    first_opt = {r: next((i for i, a in enumerate(acts) if a.kind is Kind.OPT), len(acts))
-                 for r, acts in schedule.items()}
+    first_opt = {r: first_opt_step(acts) for r, acts in schedule.items()}
     done: dict[tuple, float] = {}  # compute action (its key) -> its end
     sent: dict[tuple, tuple[int, int, Action]] = {}  # (route, micro-batch) -> rank, step, SEND
     sent_at: dict[tuple, float] = {}  # (route, micro-batch) -> end of its SEND
     received: set[tuple] = set()
-    reached: dict[int, float] = {}  # rank -> when it reached its first OPT
+    reached: dict[int, float] = {r: 0.0 for r in ranks if first_opt[r] == 0}  # rank -> when it reached its first OPT
+    waiting: dict[tuple, list[int]] = {}  # what a blocked rank waits for -> the ranks waiting for it
     events: list[Event] = []
+    append, done_get, last = events.append, done.get, num_stages - 1
+    f, b, w, fb, opt, send, recv = Kind.F, Kind.B, Kind.W, Kind.FB, Kind.OPT, Kind.SEND, Kind.RECV
+    this_turn = [r for r in ranks if schedule[r]]  # a heap, but in order already
+    next_turn: list[int] = []
 
-    def ready_at(r: int, i: int, a: Action) -> float | None:
-        if a.kind is Kind.RECV:
-            key = (a.route, a.microbatch)
-            if key in sent:
-                _check_receive(r, i, a, sent[key], key in received)
-            return sent_at.get(key)
-        if a.kind is Kind.OPT and collectives:
-            return max(reached.values()) if len(reached) == len(ranks) else None
-        waits = [done.get(d) for d in _dependencies(a, num_stages, lowered)]
-        return None if None in waits else max(waits, default=0.0)
+    def wake(what: tuple, r: int) -> None:
+        for q in waiting.pop(what, ()):
+            if q > r:
+                heapq.heappush(this_turn, q)
+            else:
+                next_turn.append(q)
 
-    def reach(r: int) -> None:
-        if ptr[r] == first_opt[r]:
-            reached[r] = clock[r]
-
-    for r in ranks:
-        reach(r)
-    while any(ptr[r] < len(schedule[r]) for r in ranks):
-        progressed = False
-        for r in ranks:
-            acts = schedule[r]
-            while ptr[r] < len(acts):
-                i, a = ptr[r], acts[ptr[r]]
-                ready = ready_at(r, i, a)
-                if ready is None:
-                    break
-                start = max(clock[r], ready)
-                clock[r] = end = start + duration(a)
-                events.append((r, a, start, end))
-                if a.kind is Kind.SEND:
-                    key = (a.route, a.microbatch)
+    while this_turn:
+        while this_turn:
+            r = heapq.heappop(this_turn)
+            acts, i, t = schedule[r], ptr[r], clock[r]
+            n = len(acts)
+            while i < n:
+                a = acts[i]
+                kind = a[0]
+                if kind is recv:
+                    key = (a[3], a[2])
+                    if key in sent:
+                        _check_receive(r, i, a, sent[key], key in received)
+                    ready = sent_at.get(key)
+                    if ready is None:
+                        waiting.setdefault((send, key), []).append(r)
+                        break
+                    received.add(key)
+                elif kind is opt and collectives:
+                    if len(reached) < len(ranks):
+                        waiting.setdefault((opt,), []).append(r)
+                        break
+                    ready = max(reached.values())
+                else:
+                    if kind is fb:
+                        deps = _dependencies(a, num_stages, lowered)
+                    elif kind is w:
+                        deps = ((b, a[1], a[2]),)
+                    elif kind is b and a[1] == last:
+                        deps = ((f, a[1], a[2]),)
+                    elif lowered or kind is opt or (kind is f and a[1] == 0):
+                        deps = ()
+                    else:
+                        deps = ((f, a[1] - 1, a[2]),) if kind is f else ((b, a[1] + 1, a[2]),)
+                    ready, blocked = 0.0, None
+                    for d in deps:
+                        end = done_get(d)
+                        if end is None:
+                            blocked = d
+                            break
+                        if end > ready:
+                            ready = end
+                    if blocked is not None:
+                        waiting.setdefault(blocked, []).append(r)
+                        break
+                start = t if t > ready else ready
+                t = start + duration(a)
+                append((r, a, start, t))
+                if kind is send:
+                    key = (a[3], a[2])
                     if key in sent:
                         q, j, first = sent[key]
                         raise fail(r, i, a, f"route {a.route}, micro-batch {a.microbatch} is sent twice "
                                             f"(also by rank {q}, step {j}, action {first})")
                     sent[key] = (r, i, a)
-                    sent_at[key] = end
-                elif a.kind is Kind.RECV:
-                    received.add((a.route, a.microbatch))
-                else:
-                    done.update(dict.fromkeys((h.key for h in a.halves()), end))
-                ptr[r] += 1
-                reach(r)
-                progressed = True
-        if not progressed:
-            raise _deadlock(schedule, ranks, ptr, first_opt, done, num_stages, lowered, collectives)
+                    sent_at[key] = t
+                    wake((send, key), r)
+                elif kind is fb:
+                    for k in (h[:3] for h in a.halves()):
+                        done[k] = t
+                        if k in waiting:
+                            wake(k, r)
+                elif kind is not recv:
+                    k = a[:3]
+                    done[k] = t
+                    if k in waiting:
+                        wake(k, r)
+                i += 1
+                if i == first_opt[r]:
+                    reached[r] = t
+                    if len(reached) == len(ranks):
+                        wake((opt,), r)
+            ptr[r], clock[r] = i, t
+        this_turn, next_turn = sorted(set(next_turn)), []
+    if any(ptr[r] < len(schedule[r]) for r in ranks):
+        raise _deadlock(schedule, ranks, ptr, first_opt, done, num_stages, lowered, collectives)
     for key, (r, i, a) in sorted(sent.items(), key=lambda kv: kv[1][:2]):
         if key not in received:
             raise fail(r, i, a, f"route {a.route}, micro-batch {a.microbatch} is never received")

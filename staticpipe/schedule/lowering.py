@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol
 
+from ..gc_paused import gc_paused
 from .actions import COMPUTE_KINDS, Action, Kind, Schedule
 
 _SECTION_OF = {Kind.F: "forward", Kind.B: "backward"}
@@ -36,6 +37,7 @@ class RouteLike(Protocol):  # plan.Route
     def dst(self) -> SectionLike: ...
 
 
+@gc_paused()
 def lower(schedule: Schedule, routes: Iterable[RouteLike]) -> Schedule:
     """``schedule`` (rank -> compute actions) with the SEND/RECV actions of ``routes`` added."""
     routes = list(routes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..gc_paused import gc_paused
 from .actions import Action, Schedule
 from .dualpipe import dualpipe_v
 from .gpipe import f_then_b
@@ -123,6 +124,7 @@ def check_costs(kind: ScheduleKind, costs: StageCosts | None, num_stages: int | 
     return stage_cost_function(costs, num_stages, name)
 
 
+@gc_paused()
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
                   costs: StageCosts | None = None) -> Schedule:
     """The compute action lists (F, B, W, OPT) of schedule ``name``, keyed by rank. ``costs``: the

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Collection
 
 from .actions import Action, Kind, Schedule
-from .execution import Event, _dependencies
+from .execution import Event, _dependencies, first_opt_step, is_lowered
 
 EPS = 1e-12
 
@@ -26,11 +26,10 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
     processors and the others have one each."""
     if not cores > 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
-    lowered = any(a.kind in (Kind.SEND, Kind.RECV) for acts in schedule.values() for a in acts)
+    lowered = is_lowered(schedule)
     ranks = sorted(schedule)
     ptr = dict.fromkeys(ranks, 0)
-    first_opt = {r: next((i for i, a in enumerate(acts) if a.kind is Kind.OPT), len(acts))
-                 for r, acts in schedule.items()}
+    first_opt = {r: first_opt_step(acts) for r, acts in schedule.items()}
     left: dict[int, float] = {}  # rank -> work left of the action it is running
     started: dict[int, float] = {}
     done: set[tuple] = set()  # compute actions (their keys) that have ended

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Callable, Collection, Mapping, Sequence
 
+from ..gc_paused import gc_paused
 from .actions import Action, Kind, Schedule
 from .execution import Event, execute
 from .shared_cores import execute_shared
@@ -50,6 +52,7 @@ def cost_function(costs: Costs) -> Callable[[Action], float]:
     return lambda a: table[a.kind]
 
 
+@gc_paused()
 def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = None, *, cores: float | None = None,
              sharing: Collection[int] | None = None, collectives: bool = False) -> Simulation:
     """Simulate a compute-only or lowered schedule. ``num_stages`` defaults to the highest stage + 1.
@@ -67,17 +70,19 @@ def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = N
     if cores is not None:
         events = execute_shared(schedule, num_stages, duration, cores,
                                 set(schedule) if sharing is None else set(sharing), collectives)
-    events.sort(key=lambda e: (e[2], e[0]))  # by start time, then rank; a rank's list order is kept
-    total = max((e[3] for e in events), default=0.0)
     busy = dict.fromkeys(schedule, 0.0)
+    spans: dict[int, list[float]] = {}  # rank -> [first start, last end]: a rank's events are in list order
     for rank, a, s, e in events:
-        if a.kind in BUSY_KINDS:
+        if a[0] in BUSY_KINDS:
             busy[rank] += e - s
+        span = spans.get(rank)
+        if span is None:
+            spans[rank] = [s, e]
+        else:
+            span[1] = e
+    events.sort(key=itemgetter(2, 0))  # by start time, then rank; a rank's list order is kept
+    total = max((last for _, last in spans.values()), default=0.0)
     bubble = 1.0 - sum(busy.values()) / (len(schedule) * total) if total > 0 else 0.0
-    spans: dict[int, tuple[float, float]] = {}  # rank -> (first start, last end)
-    for rank, _, start, end in events:
-        first, last = spans.get(rank, (start, end))
-        spans[rank] = (min(first, start), max(last, end))
     span = max((last - first for first, last in spans.values()), default=0.0)
     span_bubble = 1.0 - sum(busy.values()) / (len(schedule) * span) if span > 0 else 0.0
     return Simulation(events, total, busy, bubble, peak_inflight(schedule), span_bubble)
@@ -85,13 +90,31 @@ def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = N
 
 def peak_inflight(schedule: Schedule) -> dict[int, int]:
     """Per stage, the most micro-batches whose F has run and whose last backward action (W if the
-    backward is split, else B) has not: the activations the stage must hold at once."""
+    backward is split, else B) has not: the activations the stage must hold at once. Counted along each
+    rank's list as ``inflight_counts`` does; a count only grows at an F."""
+    last, f = _last_backward(schedule), Kind.F
     peak: dict[int, int] = {}
-    for seen in inflight_counts(schedule).values():
-        for counts in seen:
-            for stage, n in counts.items():
-                peak[stage] = max(peak.get(stage, 0), n)
+    for acts in schedule.values():
+        live: dict[int, set[int]] = {}
+        for a in acts:
+            for h in (a.halves() if a[0] is Kind.FB else (a,)):
+                kind, stage, mb = h[:3]
+                held = live.get(stage)
+                if held is None:
+                    held = live[stage] = set()
+                    peak.setdefault(stage, 0)
+                if kind is f:
+                    held.add(mb)
+                    if len(held) > peak[stage]:
+                        peak[stage] = len(held)
+                elif kind is last:
+                    held.discard(mb)
     return dict(sorted(peak.items()))
+
+
+def _last_backward(schedule: Schedule) -> Kind:
+    """W if the schedule splits the backward (an FB's halves are an F and a B), else B."""
+    return Kind.W if any(a[0] is Kind.W for acts in schedule.values() for a in acts) else Kind.B
 
 
 def inflight_counts(schedule: Schedule) -> dict[int, list[dict[int, int]]]:
@@ -99,7 +122,7 @@ def inflight_counts(schedule: Schedule) -> dict[int, list[dict[int, int]]]:
     the last backward action (what a rank holding several stages holds at once: ``memory_model.py``). A
     stage's actions all run on one rank in list order, so counting along the list is exact (an FB as its
     F, then its B)."""
-    last = Kind.W if any(h.kind is Kind.W for acts in schedule.values() for a in acts for h in a.halves()) else Kind.B
+    last = _last_backward(schedule)
     out: dict[int, list[dict[int, int]]] = {}
     for rank, acts in schedule.items():
         live: dict[int, set[int]] = {}

@@ -28,10 +28,12 @@ number of micro-batches; the building block's peak is reached once there are abo
 """
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 from typing import Callable
 
-from .actions import OPT, Action, B, F, Kind, Schedule, W
+from .actions import OPT, Action, B, F, Kind, Schedule, W, compute
 from .zero_bubble import zb_v_layout
 
 PERIOD = 6
@@ -94,16 +96,21 @@ def rank_peak(slots: Slots) -> int:
     return max(_live_counts(with_weights(slots)))
 
 
-def _inputs(a: Action, num_stages: int) -> list[Action]:
-    """What must run before ``a``: its input, and the same kind of action of the previous micro-batch on
-    its stage (micro-batches keep their order, so the W's stay in the order of their B's)."""
-    if a.kind is Kind.F:
-        needs = [F(a.stage - 1, a.microbatch)] if a.stage > 0 else []
-    elif a.kind is Kind.B:
-        needs = [B(a.stage + 1, a.microbatch) if a.stage < num_stages - 1 else F(a.stage, a.microbatch)]
+def _ready(a: Action, at: dict[Action, int], num_stages: int) -> int:
+    """The first slot ``a`` may take: after its input, and after the same kind of action of the previous
+    micro-batch on its stage (micro-batches keep their order, so the W's stay in the order of their B's);
+    inputs not in ``at`` (W's taken out) do not count."""
+    kind, stage, mb = a[:3]
+    if kind is Kind.F:
+        ready = at.get(F(stage - 1, mb), -1) + 1 if stage > 0 else 0
+    elif kind is Kind.B:
+        ready = at.get(B(stage + 1, mb) if stage < num_stages - 1 else F(stage, mb), -1) + 1
     else:
-        needs = [B(a.stage, a.microbatch)]
-    return needs + ([Action(a.kind, a.stage, a.microbatch - 1)] if a.microbatch > 0 else [])
+        ready = at.get(B(stage, mb), -1) + 1
+    if mb > 0:
+        before = at.get(compute(kind, stage, mb - 1), -1) + 1
+        return before if before > ready else ready
+    return ready
 
 
 def _squeeze(slots: dict[int, Slots], layout: list[int], drain_only: bool = False) -> None:
@@ -113,28 +120,102 @@ def _squeeze(slots: dict[int, Slots], layout: list[int], drain_only: bool = Fals
 
     Why two ways to check the peak: with the W's placed (the first pass) only an F moving up can raise
     it, holding one more activation over the slots it skips, so counts of live activations per slot
-    answer at once. Without them a move shifts the W's, and the peak is counted again; that pass is
-    kept to the drain because elsewhere its free slots are the W's own, which no move may take without
-    raising the peak: only in the drain does taking the W's out let a B move up (and counting for every
-    steady action would take seconds for p = 8, m = 64)."""
+    answer at once (``_Packed``). Without them a move shifts the W's, and the peak is counted again
+    from the moved slot on (``_Drain``); that pass is kept to the drain because elsewhere its free slots
+    are the W's own, which no move may take without raising the peak: only in the drain does taking the
+    W's out let a B move up."""
     at = {a: t for s in slots.values() for a, t in s.items()}
-    taken = {r: set(s.values()) for r, s in slots.items()}
-    budget = {r: rank_peak(s) for r, s in slots.items()}
-    live = {} if drain_only else {r: _live_counts(s) for r, s in slots.items()}
-    start = {r: max(t for a, t in s.items() if a.kind is Kind.F) if drain_only else -1 for r, s in slots.items()}
-    for a in sorted(at, key=lambda a: (at[a], layout[a.stage])):
-        r, was = layout[a.stage], at[a]
-        ready = max((at[n] + 1 for n in _inputs(a, len(layout)) if n in at), default=0)
-        for t in range(ready, was if was > start[r] else ready):
-            if t in taken[r]:
-                continue
-            slots[r][a] = t
-            fits = rank_peak(slots[r]) <= budget[r] if drain_only else _fits(live[r], a, t, was, budget[r])
-            if fits:
-                taken[r].symmetric_difference_update((was, t))
-                at[a] = t
-                break
-            slots[r][a] = was
+    movers = {r: (_Drain if drain_only else _Packed)(s) for r, s in slots.items()}
+    movable = sorted((t, r, a) for r, s in slots.items() for a, t in s.items() if t > movers[r].start)
+    for was, r, a in movable:  # in time order (a rank has one action per slot); inputs have moved
+        ready = _ready(a, at, len(layout))
+        if ready < was and (t := movers[r].move(a, ready, was)) is not None:
+            slots[r][a] = at[a] = t
+
+
+class _Packed:
+    """One rank's slots with its W's placed: an F moving up from ``was`` to ``t`` holds one more
+    activation over the slots in between, a W moving up one fewer, a B none; the peak is kept by
+    refusing an F wherever that would raise it. The counts are an array, the free slots a sorted list:
+    a move is a few C-level operations, whatever the distance (the V's fill shifts most actions by
+    about 2 p slots)."""
+
+    start = -1  # every action may move
+
+    def __init__(self, slots: Slots):
+        import numpy as np  # here, not at the top: the schedule package loads without numpy (or Paddle)
+        self.np = np
+        self.live = np.array(_live_counts(slots))
+        self.budget = int(self.live.max(initial=0))
+        taken = set(slots.values())
+        self.free = [t for t in range(len(self.live)) if t not in taken]
+
+    def move(self, a: Action, ready: int, was: int) -> int | None:
+        """Move ``a`` to the earliest free slot in [ready, was) that keeps the peak; its slot, or None."""
+        lo = ready
+        if a.kind is Kind.F:  # it fits from just after the last slot in range already at the budget
+            full = self.np.flatnonzero(self.live[ready:was] >= self.budget)
+            lo = ready + int(full[-1]) + 1 if full.size else ready
+        i = bisect.bisect_left(self.free, lo)
+        if i == len(self.free) or self.free[i] >= was:
+            return None
+        t = self.free.pop(i)
+        bisect.insort(self.free, was)
+        if a.kind is not Kind.B:
+            self.live[t:was] += 1 if a.kind is Kind.F else -1
+        return t
+
+
+class _Drain:
+    """One rank's slots without W's, for the drain: a B after the rank's last F moves up to the first
+    free slot where the rank's peak, its W's put back in the free slots in the order of their B's
+    (``with_weights``), stays within what it was. That placement is a sweep over the slots that needs
+    only counts (activations live, W's pending), so the counts before each slot are kept and a move is
+    priced by sweeping from its new slot on."""
+
+    def __init__(self, slots: Slots):
+        self.start = max((t for a, t in slots.items() if a.kind is Kind.F), default=-1)
+        self.end = max(slots.values(), default=-1)
+        self.kind_at: list[Kind | None] = [None] * (self.end + 1)
+        for a, t in slots.items():
+            self.kind_at[t] = a.kind
+        self.state = [(0, 0, -math.inf)] * (self.end + 2)  # before each slot: live, W's pending, peak so far
+        self._sweep(0)
+        self.budget = self.state[-1][2]
+        self.free = [t for t, k in enumerate(self.kind_at) if k is None]
+
+    def _sweep(self, u0: int, keep: bool = True) -> float:
+        """Run the placement from slot ``u0`` on; the peak. ``keep``: record the counts (a move is made)."""
+        live, pending, peak = self.state[u0]
+        kinds, state = self.kind_at, self.state
+        for u in range(u0, self.end + 1):
+            k = kinds[u]
+            if k is Kind.F:
+                live += 1
+            elif k is Kind.B:
+                pending += 1
+            elif pending:  # a W goes here; the W's left after the last slot only lower the count
+                pending, live = pending - 1, live - 1
+            if live > peak:
+                peak = live
+            if keep:
+                state[u + 1] = (live, pending, peak)
+        return peak
+
+    def move(self, a: Action, ready: int, was: int) -> int | None:
+        """Move B ``a`` to the earliest free slot in [ready, was) that keeps the peak; its slot, or None."""
+        lo = bisect.bisect_left(self.free, ready)
+        hi = bisect.bisect_left(self.free, was)
+        for i in range(lo, hi):
+            t = self.free[i]
+            self.kind_at[t], self.kind_at[was] = a.kind, None
+            if self._sweep(t, keep=False) <= self.budget:
+                self._sweep(t)
+                del self.free[i]
+                bisect.insort(self.free, was)
+                return t
+            self.kind_at[t], self.kind_at[was] = None, a.kind
+        return None
 
 
 def _live_counts(slots: Slots) -> list[int]:
@@ -143,13 +224,3 @@ def _live_counts(slots: Slots) -> list[int]:
     for a, t in slots.items():
         change[t] += (a.kind is Kind.F) - (a.kind is Kind.W)
     return list(itertools.accumulate(change))
-
-
-def _fits(live: list[int], a: Action, to: int, was: int, budget: int) -> bool:
-    """Whether moving ``a`` from slot ``was`` up to ``to`` keeps the peak within ``budget``; if so,
-    ``live`` is updated for the move (an F holds its activation over the skipped slots, a W frees it)."""
-    if a.kind is Kind.F and max(live[to:was]) + 1 > budget:
-        return False
-    for t in range(to, was):
-        live[t] += (a.kind is Kind.F) - (a.kind is Kind.W)
-    return True

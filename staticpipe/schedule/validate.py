@@ -11,6 +11,7 @@ order after what came before the pair), and errors name the FB as written.
 """
 from __future__ import annotations
 
+from ..gc_paused import gc_paused
 from .actions import CHANNELS, Action, Kind, Schedule
 from .execution import ScheduleError, execute, fail
 
@@ -18,6 +19,7 @@ PER_MICROBATCH = (Kind.F, Kind.B, Kind.W)  # in the order one stage must run the
 COUNTED = PER_MICROBATCH + (Kind.OPT,)  # exactly once per stage (and micro-batch)
 
 
+@gc_paused()
 def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_ranks: list[int],
              split_backward: bool = False, collectives: bool = False) -> None:
     """Raise ``ScheduleError`` naming the first rank, step and action at fault, if any.
@@ -29,18 +31,34 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_r
         raise ValueError(f"stage_ranks has {len(stage_ranks)} entries for {num_stages} stages")
     kinds = PER_MICROBATCH if split_backward else PER_MICROBATCH[:2]
     seen: dict[tuple, tuple[int, int, Action]] = {}  # (kind, stage, micro-batch) -> rank, step, action
+    fb, opt, w, send, recv = Kind.FB, Kind.OPT, Kind.W, Kind.SEND, Kind.RECV
     for r, acts in sorted(schedule.items()):
         for i, a in enumerate(acts):
             if not isinstance(a, Action):
                 raise ScheduleError(f"rank {r}, step {i}: {a!r} is not an Action (parse_action reads text)", r, i)
-            for h in a.halves():
-                _check_action(r, i, a, h, num_stages, num_microbatches, stage_ranks, split_backward)
-                if h.kind in COUNTED:
-                    key = (h.kind, h.stage, h.microbatch)
+            for h in (a.halves() if a[0] is fb else (a,)):
+                kind, stage, mb = key = h[:3]
+                # the common case in one test; anything else gets the checks that say what is wrong
+                if not (type(stage) is int and 0 <= stage < num_stages and stage_ranks[stage] == r
+                        and (kind is opt or (type(mb) is int and 0 <= mb < num_microbatches
+                                             and (kind is not w or split_backward)
+                                             and kind is not send and kind is not recv))):
+                    _check_action(r, i, a, h, num_stages, num_microbatches, stage_ranks, split_backward)
+                if kind is not send and kind is not recv:
                     if key in seen:
-                        what = "OPT" if h.kind is Kind.OPT else f"{h.kind.value} of micro-batch {h.microbatch}"
-                        raise fail(r, i, a, f"stage {h.stage} runs {what} twice")
+                        what = "OPT" if kind is opt else f"{kind.value} of micro-batch {mb}"
+                        raise fail(r, i, a, f"stage {stage} runs {what} twice")
                     seen[key] = (r, i, a)
+    if len(seen) != num_stages * (len(kinds) * num_microbatches + 1):  # each is checked, and none twice
+        _check_complete(seen, num_stages, num_microbatches, stage_ranks, kinds)
+    for r, acts in sorted(schedule.items()):
+        _check_order(r, acts, num_microbatches, kinds)
+    execute(schedule, num_stages, lambda a: 0.0, collectives)
+
+
+def _check_complete(seen: dict[tuple, tuple], num_stages: int, num_microbatches: int, stage_ranks: list[int],
+                    kinds: tuple[Kind, ...]) -> None:
+    """Raise naming the first stage that lacks an action, and which."""
     for s in range(num_stages):
         for k in kinds:
             missing = [mb for mb in range(num_microbatches) if (k, s, mb) not in seen]
@@ -49,9 +67,6 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_r
                 raise ScheduleError(f"stage {s} lacks {k.value} of {mbs}", stage_ranks[s])
         if (Kind.OPT, s, None) not in seen:
             raise ScheduleError(f"stage {s} lacks its OPT", stage_ranks[s])
-    for r, acts in sorted(schedule.items()):
-        _check_order(r, acts, num_microbatches, kinds)
-    execute(schedule, num_stages, lambda a: 0.0, collectives)
 
 
 def _check_action(r: int, i: int, a: Action, h: Action, num_stages: int, num_microbatches: int,
@@ -80,16 +95,17 @@ def _check_order(r: int, acts: list[Action], num_microbatches: int, kinds: tuple
     """Per stage and micro-batch F < B (< W), and every B (and W) before the stage's OPT. The halves of
     an FB are checked against what came before the pair: they run together, so neither may need the other."""
     done: set[tuple] = set()
+    before = {Kind.B: Kind.F, Kind.W: Kind.B}
     for i, a in enumerate(acts):
-        for h in a.halves():
-            if h.kind in (Kind.B, Kind.W):
-                before = kinds[kinds.index(h.kind) - 1]
-                if (before, h.stage, h.microbatch) not in done:
-                    raise fail(r, i, a, f"{h.kind.value} of micro-batch {h.microbatch} comes before its "
-                                        f"{before.value} on stage {h.stage}")
-            elif h.kind is Kind.OPT:
+        halves = a.halves() if a[0] is Kind.FB else (a,)
+        for h in halves:
+            kind = h[0]
+            if kind in before and (before[kind], h[1], h[2]) not in done:
+                raise fail(r, i, a, f"{kind.value} of micro-batch {h.microbatch} comes before its "
+                                    f"{before[kind].value} on stage {h.stage}")
+            if kind is Kind.OPT:
                 late = [mb for mb in range(num_microbatches) if (kinds[-1], h.stage, mb) not in done]
                 if late:
                     raise fail(r, i, a, f"OPT of stage {h.stage} comes before its {kinds[-1].value} "
                                         f"of micro-batch {late[0]}")
-        done.update((h.kind, h.stage, h.microbatch) for h in a.halves())
+        done.update(h[:3] for h in halves)

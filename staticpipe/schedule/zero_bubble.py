@@ -52,9 +52,9 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable, Iterator
+from typing import Callable
 
-from .actions import OPT, Action, Kind, Schedule, W
+from .actions import OPT, Action, B, F, Kind, Schedule, W
 from .simulate import Costs, cost_function, simulate
 
 Duration = Callable[[Action], float]
@@ -93,7 +93,12 @@ def greedy_split_backward(stage_ranks: list[int], num_microbatches: int, costs: 
 
 
 class _ListScheduler:
-    """One playing-out of the rules: what each stage has started, and when each started action ends."""
+    """One playing-out of the rules: what each stage has started, and when each started action ends.
+
+    Why the queues: at 64 ranks and 1024 micro-batches a rank holds dozens of micro-batches and is asked
+    for its next action hundreds of thousands of times. Each stage keeps its B's whose input has started
+    in ``pending`` (by when the input ends) and those whose input has ended in ``arrived`` (by micro-batch),
+    and its W's in a heap, so a choice costs a few heap operations instead of a scan of all it holds."""
 
     def __init__(self, stage_ranks: list[int], num_microbatches: int, duration: Duration, timed: bool = False,
                  w_fits_gaps: bool = False, memory: int = 1):
@@ -108,8 +113,11 @@ class _ListScheduler:
         self.ahead = [memory * (self.num_stages - s) - (memory - 1) for s in range(self.num_stages)]  # rule 1a
         self.end: dict[tuple, float] = {}  # each started action's key -> its end
         self.next_f = [0] * self.num_stages
-        self.before_b: list[set[int]] = [set() for _ in stage_ranks]  # F started, B not
-        self.before_w: list[set[int]] = [set() for _ in stage_ranks]  # B started, W not
+        self.before_b = [0] * self.num_stages  # micro-batches whose F started and B not
+        self.held = dict.fromkeys(self.stages_of, 0)  # per rank: (stage, mb) pairs whose F started and W not
+        self.pending: list[list[tuple[float, int]]] = [[] for _ in stage_ranks]  # (input's end, mb) of B's
+        self.arrived: list[list[int]] = [[] for _ in stage_ranks]  # mbs of B's whose input has ended
+        self.before_w: list[list[int]] = [[] for _ in stage_ranks]  # mbs whose B started and W not (a heap)
 
     def run(self) -> Schedule:
         """Every rank's actions in the order it starts them, each stage's OPT last."""
@@ -120,42 +128,45 @@ class _ListScheduler:
             if not moments:
                 raise RuntimeError(f"greedy scheduler stuck for stage placement {self.stage_ranks}, m={self.m}")
             now = heapq.heappop(moments)
+            instant = False  # whether an action of no duration started: it may let another start now
             for r in schedule:
                 if free[r] <= now and (a := self.pick(r, now)) is not None:
                     schedule[r].append(a)
                     free[r] = self.start(a, now)
                     heapq.heappush(moments, free[r])
+                    instant = instant or free[r] == now
+            while not instant and moments and moments[0] == now:  # another pass at ``now`` would start nothing
+                heapq.heappop(moments)
         for r, stages in self.stages_of.items():
             schedule[r] += [OPT(s) for s in sorted(stages)]
         return schedule
 
     def pick(self, r: int, now: float) -> Action | None:
-        """Rank ``r``'s next action at time ``now`` by the rules above, or None to wait."""
+        """Rank ``r``'s next action at time ``now`` by the rules above, or None to wait: its F's within the
+        memory caps, then its B's (the later stage first, then the lowest micro-batch), then its W's."""
         arrival = math.inf  # when the first F/B that is waiting only for its input can start
-        for kind, s, mb, needs in self.candidates(r):
-            ready = 0.0 if needs is None else self.end.get(needs, math.inf)
-            if ready <= now:
-                return Action(kind, s, mb)
-            arrival = min(arrival, ready)
-        waiting = [(mb, -s) for s in self.stages_of[r] for mb in self.before_w[s]]
+        stages, held = self.stages_of[r], self.held[r]
+        for s in stages:
+            mb = self.next_f[s]
+            if mb < self.m and self.before_b[s] < self.ahead[s] and held + self.owed(r, s) < self.cap:
+                ready = self.end.get((Kind.F, s - 1, mb), math.inf) if s > 0 else 0.0
+                if ready <= now:
+                    return F(s, mb)
+                arrival = min(arrival, ready)
+        for s in stages:
+            pending, arrived = self.pending[s], self.arrived[s]
+            while pending and pending[0][0] <= now:
+                heapq.heappush(arrived, heapq.heappop(pending)[1])
+            if arrived:
+                return B(s, arrived[0])
+            if pending:
+                arrival = min(arrival, pending[0][0])
+        waiting = [(self.before_w[s][0], -s) for s in stages if self.before_w[s]]
         if not waiting:
             return None
-        w = W(-min(waiting)[1], min(waiting)[0])
+        mb, s = min(waiting)
+        w = W(-s, mb)
         return w if not self.w_fits_gaps or now + self.duration(w) <= arrival else None
-
-    def candidates(self, r: int) -> Iterator[tuple[Kind, int, int, tuple | None]]:
-        """Rank ``r``'s F's within the memory caps, then its B's, in priority order, each as (kind, stage,
-        micro-batch, the key in ``end`` of the action whose output it needs, None: none). Keys, not
-        actions: a rank weighs every micro-batch it holds at every moment, and most are never picked."""
-        held = sum(len(self.before_b[s]) + len(self.before_w[s]) for s in self.stages_of[r])
-        for s in self.stages_of[r]:
-            mb = self.next_f[s]
-            if mb < self.m and len(self.before_b[s]) < self.ahead[s] and held + self.owed(r, s) < self.cap:
-                yield Kind.F, s, mb, (Kind.F, s - 1, mb) if s > 0 else None
-        last = self.num_stages - 1
-        for s in self.stages_of[r]:
-            for mb in sorted(self.before_b[s]):
-                yield Kind.B, s, mb, (Kind.B, s + 1, mb) if s < last else None  # its own F has ended
 
     def owed(self, r: int, s: int) -> int:
         """Slots rank ``r`` must keep for the later-chunk F's of the micro-batches already on it, once
@@ -166,21 +177,29 @@ class _ListScheduler:
         if not self.timed:
             return 0
         first = min(self.stages_of[r])
-        started = [self.next_f[t] + (t == s) for t in range(len(self.next_f))]
-        return sum(started[first] - started[t] for t in self.stages_of[r])
+        started = {t: self.next_f[t] + (t == s) for t in self.stages_of[r]}
+        return sum(started[first] - n for n in started.values())
 
     def start(self, a: Action, now: float) -> float:
         """Start ``a`` at ``now``; returns when it ends."""
         seconds = self.duration(a)
         if seconds < 0:
             raise ValueError(f"costs give action {a} a negative duration ({seconds})")
-        self.end[a.key] = now + seconds
-        if a.kind is Kind.F:
-            self.next_f[a.stage] += 1
-            self.before_b[a.stage].add(a.microbatch)
-        elif a.kind is Kind.B:
-            self.before_b[a.stage].discard(a.microbatch)
-            self.before_w[a.stage].add(a.microbatch)
+        kind, s, mb = key = a[:3]
+        self.end[key] = end = now + seconds
+        if kind is Kind.F:
+            self.next_f[s] += 1
+            self.before_b[s] += 1
+            self.held[self.stage_ranks[s]] += 1
+            if s == self.num_stages - 1:  # the last stage's B needs only this F, on the same rank
+                heapq.heappush(self.pending[s], (0.0, mb))
+        elif kind is Kind.B:
+            self.before_b[s] -= 1
+            heapq.heappop(self.arrived[s])  # ``pick`` chose the lowest that has arrived
+            heapq.heappush(self.before_w[s], mb)
+            if s > 0:
+                heapq.heappush(self.pending[s - 1], (end, mb))
         else:
-            self.before_w[a.stage].discard(a.microbatch)
-        return now + seconds
+            heapq.heappop(self.before_w[s])
+            self.held[self.stage_ranks[s]] -= 1
+        return end
