@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "staticpipe"
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
-    {"_paddle", "legacy_ir"},
+    {"_paddle", "legacy_ir", "gc_paused"},
     {"ir", "pir_ir", "pir_view", "placement", "plan", "memory_model", "capabilities"},
     {"schedule"},
     {"io", "trace"},

@@ -128,18 +128,24 @@ def _half(view: PirView, op: Any, dropped: set[str], mapping: Any, values: dict[
         name = view.names[value]
         return values[name] if name in values else mapping.look_up(value)
 
-    wanted = {n for n in op.output_arg_names if n not in dropped}
-    names = [view.names[v] for v in fwd.operands_source()]
-    stops = [[f"{n}@GRAD" not in wanted] for n in names]
+    # result k of a backward op is the gradient of its forward op's operand k; named by position, not as
+    # "<operand>@GRAD": a gradient that is one term of a sum (a residual, a second head) has a name of its own
+    results = list(op.op.results())
+    if len(results) != fwd.num_operands():
+        raise ValueError(f"{op_label(op.index, op)}: its {len(results)} results are not the gradients of its forward "
+                         f"op's {fwd.num_operands()} inputs, so it cannot be split into B and W halves; use a "
+                         "schedule that does not split the backward (1F1B)")
+    out = [view.names[r] if r.initialized() else None for r in results]
+    stops = [[name is None or name in dropped] for name in out]
     grads_out = [[here(view.var(f"{view.names[r]}@GRAD").value)] for r in fwd.results()]
     paddle.pir.set_insertion_point_after(clone)
     made = paddle.base.core.call_vjp(mapping.look_up(fwd.result(0)).get_defining_op(),
                                      [[here(v)] for v in fwd.operands_source()],
                                      [[here(r)] for r in fwd.results()], grads_out, stops)
-    new = {f"{n}@GRAD": made[k][0] for k, n in enumerate(names) if f"{n}@GRAD" in wanted}
-    for result in op.op.results():
-        if result.initialized() and view.names[result] in new:
-            mapping.look_up(result).replace_all_uses_with(new[view.names[result]])
+    new = {name: made[k][0] for k, name in enumerate(out) if not stops[k][0]}
+    for result, name in zip(results, out):
+        if name in new:
+            mapping.look_up(result).replace_all_uses_with(new[name])
     return new  # the old op goes with the ops the section does not run (its dropped outputs' users first)
 
 

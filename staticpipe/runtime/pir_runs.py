@@ -38,6 +38,7 @@ Facts of Paddle 3.3 that shape it (``../shared/notes/pir-facts.md``, re-checked 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -48,6 +49,7 @@ from ..pir_ir import FEEDS, HANDED_OVER, pir_thread, section_values
 from ..plan import Run
 
 _FIRST_RUNS = threading.Lock()
+_BUILDS = itertools.count()  # numbers the interpreters built in this process (their fetch variables' names)
 SERIAL_RUN = "FLAGS_new_executor_serial_run"
 TRACE_RUN = "FLAGS_enable_pir_in_executor_trace_run"
 EAGER_DELETION = "FLAGS_eager_delete_tensor_gb"  # read when an interpreter first runs: its garbage collector
@@ -60,15 +62,15 @@ class PirRuns:
         self.place, self.scope = place, scope
         paddle.set_flags({SERIAL_RUN: True, TRACE_RUN: True})
         self._exe = paddle.static.Executor(place)
-        self._prepared: dict[tuple[Run, tuple[str, ...]], _Prepared] = {}
+        self._prepared: dict[Run, _Prepared] = {}  # the run's interpreter, for the fetch list it was built for
 
     def execute(self, run: Run, scope: core._Scope, fetch: tuple[str, ...] = ()) -> None:
         """Run ``run`` with its data ops fed from ``scope``; leave in ``scope`` the values it produces that
         ``run.keep`` or ``fetch`` name."""
-        prepared = self._prepared.get((run, fetch))
-        first = prepared is None
-        if first:
-            prepared = self._prepared[(run, fetch)] = self._prepare(run, fetch, scope)
+        prepared = self._prepared.get(run)
+        first = prepared is None or prepared.fetch != fetch
+        if first:  # one interpreter per run: see _build
+            prepared = self._prepared[run] = self._prepare(run, fetch, scope)
         feed = {name: tensor_of(scope, name, prepared.where) for name in prepared.feeds}
         mode = paddle.base.framework.global_var
         outside, mode._use_pir_api_ = mode._use_pir_api_, True  # pir_thread, inlined: 2 µs of a 40 µs run
@@ -117,7 +119,7 @@ class PirRuns:
         first = {name: tensor_of(scope, name, where) for name in feeds}
         with pir_thread(), _FIRST_RUNS:
             built = self._build(program, first, [values[n] for n in fetched])
-        return _Prepared(feeds, fetched, tuple(getattr(program, HANDED_OVER, {}).items()), built, where)
+        return _Prepared(fetch, feeds, fetched, tuple(getattr(program, HANDED_OVER, {}).items()), built, where)
 
     def _fetched(self, run: Run, fetch: tuple[str, ...]) -> tuple[str, ...]:
         """The names of ``run.keep`` and ``fetch`` that its program computes and does not hand over (fed and
@@ -132,13 +134,26 @@ class PirRuns:
         Why not ``Executor.run`` on every run: it looks its interpreter up by a key that holds the whole
         program printed as text (``str(program)``), 0.2-0.5 ms a run here, and keeps 8 interpreters per
         executor, fewer than a device with several stages runs. The interpreter Paddle builds on the first
-        run is kept here and run directly, its feeds set as ``Executor.run`` sets them."""
+        run is kept here and run directly, its feeds set as ``Executor.run`` sets them.
+
+        One interpreter per run at a time: two interpreters of one program (built for two fetch lists)
+        share the values' variables in the device's scope, and the older one, run again after the newer
+        one, crashed the process (SIGSEGV in a kernel) or failed every later step ("Unsupported setting
+        dims for 'Unknown'", "Tensor holds no memory"). A new fetch list builds the run's interpreter anew
+        (a few ms), and the old one is dropped."""
         exe, cache = self._exe, getattr(self._exe, "_executor_cache", None)
-        if cache is None or not hasattr(exe, "_pir_feed_data"):  # another Paddle: its own path, every run
+        if cache is None or not hasattr(exe, "_pir_feed_data") or not hasattr(cache, "_get_pir_program_and_executor"):
             return lambda feeds: exe.run(program, feed=feeds, fetch_list=fetch_list, scope=self.scope,
-                                         return_numpy=False)
-        compiled, interpreter, data_ops = cache.get_pir_program_and_executor(
-            program, dict(feed), fetch_list, "feed", "fetch", self.place, self.scope, exe.plan)
+                                         return_numpy=False)  # another Paddle: its own path, every run
+        # fetch ops write persistable variables of the scope, "<name>0", "<name>1", ...: with Paddle's one
+        # name ("fetch") every interpreter of this device wrote the same ones, and an interpreter built for
+        # another fetch list (a loss, then logits) found them holding another shape and type (a crash, or
+        # "Unsupported setting dims" on every later step). Each interpreter gets names of its own.
+        # Built past Paddle's cache (its uncached builder): the cache would hand back the interpreter it built
+        # for this fetch list before, which another fetch list's interpreter has since invalidated (below).
+        compiled, interpreter, data_ops = cache._get_pir_program_and_executor(cache._CachedData(
+            program, dict(feed), fetch_list, "feed", f"staticpipe_fetch_{next(_BUILDS)}_", self.place, self.scope,
+            exe.plan))
 
         exe._pir_feed_data(compiled, dict(feed), self.scope, data_ops)  # checks the feeds' shapes once
 
@@ -151,6 +166,7 @@ class PirRuns:
 
 @dataclass(frozen=True)
 class _Prepared:
+    fetch: tuple[str, ...]  # the fetch list it was built for
     feeds: tuple[str, ...]  # data ops fed from the micro-batch's scope
     fetched: tuple[str, ...]  # values fetched and copied into it
     handed: tuple[tuple[str, str], ...]  # (value, its name in the device's scope): moved into it

@@ -131,6 +131,10 @@ class StepRunner:
                 worker.scope.var(name).get_tensor().set(self._combine(plan, name, fetched[name]), worker.place)
         out = []
         for name in fetch:
+            if name not in persist and name not in plan.producers:  # a data variable: what was fed
+                fed = [np.array(mb[name]) for mb in micro] if local & set(plan.data_vars[name]) else None
+                out.append(fed if fed is None or not merged else np.concatenate(fed))
+                continue
             stage = persist[name] if name in persist else plan.producers[name].stage
             if stage not in local:
                 out.append(None)  # computed by another process
@@ -297,13 +301,16 @@ def _rows(batch: dict[str, np.ndarray]) -> int:
 
 
 def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
-    """(per-micro-batch fetches: (stage, section kind) -> names; persistable fetches: name -> stage)."""
+    """(per-micro-batch fetches: (stage, section kind) -> names; persistable fetches: name -> stage). A data
+    variable is in neither: its value is the batch fed."""
     where: dict[tuple[int, str], tuple[str, ...]] = {}
     persist: dict[str, int] = {}
     for name in fetch:
         ref = plan.producers.get(name)
         if ref is not None:
             where[(ref.stage, ref.kind)] = where.get((ref.stage, ref.kind), ()) + (name,)
+        elif name in plan.data_vars:
+            continue
         elif plan.stage_of_var(name):
             persist[name] = plan.stage_of_var(name)[0]
         else:

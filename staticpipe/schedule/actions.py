@@ -95,12 +95,6 @@ class Action(_Fields):
 _new = tuple.__new__  # the constructors below know their kind: no conversion to check
 
 
-def compute(kind: Kind, stage: int, mb: int) -> Action:
-    """The F, B or W action of ``kind`` (a ``Kind``, not its text): what the schedulers make by the
-    hundred thousand."""
-    return _new(Action, (kind, stage, mb, None, None, "", None, None))
-
-
 def F(stage: int, mb: int) -> Action:
     return _new(Action, (Kind.F, stage, mb, None, None, "", None, None))
 

@@ -29,11 +29,12 @@ number of micro-batches; the building block's peak is reached once there are abo
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import math
 from typing import Callable
 
-from .actions import OPT, Action, B, F, Kind, Schedule, W, compute
+from .actions import OPT, Action, B, F, Kind, Schedule, W
 from .zero_bubble import zb_v_layout
 
 PERIOD = 6
@@ -77,16 +78,17 @@ def v_shape(num_ranks: int, num_microbatches: int, offsets: Offsets) -> Schedule
 
 def with_weights(slots: Slots) -> Slots:
     """``slots`` with every B's W in the first free slot after it, the W's in the order of their B's."""
-    if any(a.kind is Kind.W for a in slots):
+    if any(a[0] is Kind.W for a in slots):
         return slots
     taken = {t: a for a, t in slots.items()}
-    out, pending, t, end = dict(slots), [], 0, max(taken, default=-1)
+    out, pending, t, end = dict(slots), collections.deque(), 0, max(taken, default=-1)
     while t <= end or pending:
         a = taken.get(t)
-        if a is not None and a.kind is Kind.B:
-            pending.append(W(a.stage, a.microbatch))
-        elif a is None and pending:
-            out[pending.pop(0)] = t
+        if a is None:
+            if pending:
+                out[pending.popleft()] = t
+        elif a[0] is Kind.B:
+            pending.append(W(a[1], a[2]))
         t += 1
     return out
 
@@ -96,19 +98,18 @@ def rank_peak(slots: Slots) -> int:
     return max(_live_counts(with_weights(slots)))
 
 
-def _ready(a: Action, at: dict[Action, int], num_stages: int) -> int:
-    """The first slot ``a`` may take: after its input, and after the same kind of action of the previous
-    micro-batch on its stage (micro-batches keep their order, so the W's stay in the order of their B's);
-    inputs not in ``at`` (W's taken out) do not count."""
-    kind, stage, mb = a[:3]
+def _ready(kind: Kind, stage: int, mb: int, at: dict[tuple, int], num_stages: int) -> int:
+    """The first slot the action may take: after its input, and after the same kind of action of the
+    previous micro-batch on its stage (micro-batches keep their order, so the W's stay in the order of
+    their B's); inputs not in ``at`` (W's taken out) do not count. ``at`` is keyed by ``Action.key``."""
     if kind is Kind.F:
-        ready = at.get(F(stage - 1, mb), -1) + 1 if stage > 0 else 0
+        ready = at.get((kind, stage - 1, mb), -1) + 1 if stage > 0 else 0
     elif kind is Kind.B:
-        ready = at.get(B(stage + 1, mb) if stage < num_stages - 1 else F(stage, mb), -1) + 1
+        ready = at.get((Kind.B, stage + 1, mb) if stage < num_stages - 1 else (Kind.F, stage, mb), -1) + 1
     else:
-        ready = at.get(B(stage, mb), -1) + 1
+        ready = at.get((Kind.B, stage, mb), -1) + 1
     if mb > 0:
-        before = at.get(compute(kind, stage, mb - 1), -1) + 1
+        before = at.get((kind, stage, mb - 1), -1) + 1
         return before if before > ready else ready
     return ready
 
@@ -124,13 +125,15 @@ def _squeeze(slots: dict[int, Slots], layout: list[int], drain_only: bool = Fals
     from the moved slot on (``_Drain``); that pass is kept to the drain because elsewhere its free slots
     are the W's own, which no move may take without raising the peak: only in the drain does taking the
     W's out let a B move up."""
-    at = {a: t for s in slots.values() for a, t in s.items()}
+    at = {a[:3]: t for s in slots.values() for a, t in s.items()}  # keyed by Action.key: cheaper to look up
     movers = {r: (_Drain if drain_only else _Packed)(s) for r, s in slots.items()}
     movable = sorted((t, r, a) for r, s in slots.items() for a, t in s.items() if t > movers[r].start)
+    num_stages = len(layout)
     for was, r, a in movable:  # in time order (a rank has one action per slot); inputs have moved
-        ready = _ready(a, at, len(layout))
+        key = a[:3]
+        ready = _ready(*key, at, num_stages)
         if ready < was and (t := movers[r].move(a, ready, was)) is not None:
-            slots[r][a] = at[a] = t
+            slots[r][a] = at[key] = t
 
 
 class _Packed:
@@ -153,9 +156,9 @@ class _Packed:
     def move(self, a: Action, ready: int, was: int) -> int | None:
         """Move ``a`` to the earliest free slot in [ready, was) that keeps the peak; its slot, or None."""
         lo = ready
-        if a.kind is Kind.F:  # it fits from just after the last slot in range already at the budget
-            full = self.np.flatnonzero(self.live[ready:was] >= self.budget)
-            lo = ready + int(full[-1]) + 1 if full.size else ready
+        if a[0] is Kind.F and self.live[ready:was].max() >= self.budget:
+            # it fits from just after the last slot in range already at the budget
+            lo = ready + int(self.np.flatnonzero(self.live[ready:was] >= self.budget)[-1]) + 1
         i = bisect.bisect_left(self.free, lo)
         if i == len(self.free) or self.free[i] >= was:
             return None
@@ -179,25 +182,28 @@ class _Drain:
         self.kind_at: list[Kind | None] = [None] * (self.end + 1)
         for a, t in slots.items():
             self.kind_at[t] = a.kind
-        self.state = [(0, 0, -math.inf)] * (self.end + 2)  # before each slot: live, W's pending, peak so far
+        self.state = [(0, 0, 0)] * (self.end + 2)  # before each slot: live, W's pending, peak so far
         self._sweep(0)
         self.budget = self.state[-1][2]
         self.free = [t for t, k in enumerate(self.kind_at) if k is None]
 
-    def _sweep(self, u0: int, keep: bool = True) -> float:
-        """Run the placement from slot ``u0`` on; the peak. ``keep``: record the counts (a move is made)."""
+    def _sweep(self, u0: int, limit: float = math.inf) -> float:
+        """Run the placement from slot ``u0`` on and record the counts (a move is made); its peak.
+        ``limit``: only price a move -- record nothing, and stop once the peak is over ``limit``."""
         live, pending, peak = self.state[u0]
-        kinds, state = self.kind_at, self.state
+        kinds, state, keep = self.kind_at, self.state, limit == math.inf
         for u in range(u0, self.end + 1):
             k = kinds[u]
             if k is Kind.F:
                 live += 1
+                if live > peak:
+                    peak = live
+                    if peak > limit:
+                        return peak
             elif k is Kind.B:
                 pending += 1
             elif pending:  # a W goes here; the W's left after the last slot only lower the count
                 pending, live = pending - 1, live - 1
-            if live > peak:
-                peak = live
             if keep:
                 state[u + 1] = (live, pending, peak)
         return peak
@@ -209,7 +215,7 @@ class _Drain:
         for i in range(lo, hi):
             t = self.free[i]
             self.kind_at[t], self.kind_at[was] = a.kind, None
-            if self._sweep(t, keep=False) <= self.budget:
+            if self._sweep(t, limit=self.budget) <= self.budget:
                 self._sweep(t)
                 del self.free[i]
                 bisect.insort(self.free, was)

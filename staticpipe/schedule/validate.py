@@ -32,28 +32,51 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_r
     kinds = PER_MICROBATCH if split_backward else PER_MICROBATCH[:2]
     seen: dict[tuple, tuple[int, int, Action]] = {}  # (kind, stage, micro-batch) -> rank, step, action
     fb, opt, w, send, recv = Kind.FB, Kind.OPT, Kind.W, Kind.SEND, Kind.RECV
+    out_of_order: ScheduleError | None = None  # the first, raised after the completeness check
     for r, acts in sorted(schedule.items()):
         for i, a in enumerate(acts):
             if not isinstance(a, Action):
                 raise ScheduleError(f"rank {r}, step {i}: {a!r} is not an Action (parse_action reads text)", r, i)
-            for h in (a.halves() if a[0] is fb else (a,)):
-                kind, stage, mb = key = h[:3]
+            halves = a.halves() if a[0] is fb else (a,)
+            for h in halves:
+                kind, stage, mb = h[:3]
                 # the common case in one test; anything else gets the checks that say what is wrong
                 if not (type(stage) is int and 0 <= stage < num_stages and stage_ranks[stage] == r
                         and (kind is opt or (type(mb) is int and 0 <= mb < num_microbatches
                                              and (kind is not w or split_backward)
                                              and kind is not send and kind is not recv))):
                     _check_action(r, i, a, h, num_stages, num_microbatches, stage_ranks, split_backward)
-                if kind is not send and kind is not recv:
+                if out_of_order is None:  # a stage's actions all come from its rank: ``seen`` is what it ran
+                    out_of_order = _order_error(r, i, a, h, seen, num_microbatches, kinds)
+            for h in halves:  # both halves of an FB are checked against what came before the pair
+                key = h[:3]
+                if key[0] is not send and key[0] is not recv:
                     if key in seen:
-                        what = "OPT" if kind is opt else f"{kind.value} of micro-batch {mb}"
-                        raise fail(r, i, a, f"stage {stage} runs {what} twice")
+                        what = "OPT" if key[0] is opt else f"{key[0].value} of micro-batch {key[2]}"
+                        raise fail(r, i, a, f"stage {key[1]} runs {what} twice")
                     seen[key] = (r, i, a)
     if len(seen) != num_stages * (len(kinds) * num_microbatches + 1):  # each is checked, and none twice
         _check_complete(seen, num_stages, num_microbatches, stage_ranks, kinds)
-    for r, acts in sorted(schedule.items()):
-        _check_order(r, acts, num_microbatches, kinds)
+    if out_of_order is not None:
+        raise out_of_order
     execute(schedule, num_stages, lambda a: 0.0, collectives)
+
+
+def _order_error(r: int, i: int, a: Action, h: Action, seen: dict[tuple, tuple], num_microbatches: int,
+                 kinds: tuple[Kind, ...]) -> ScheduleError | None:
+    """Per stage and micro-batch F < B (< W), and every B (and W) before the stage's OPT: the error if
+    ``h`` (``a`` or a half of the FB ``a``) comes too early on its rank."""
+    kind = h[0]
+    if kind is Kind.B or kind is Kind.W:
+        first = Kind.F if kind is Kind.B else Kind.B
+        if (first, h[1], h[2]) not in seen:
+            return fail(r, i, a, f"{kind.value} of micro-batch {h.microbatch} comes before its {first.value} on "
+                                 f"stage {h.stage}")
+    elif kind is Kind.OPT:
+        late = [mb for mb in range(num_microbatches) if (kinds[-1], h.stage, mb) not in seen]
+        if late:
+            return fail(r, i, a, f"OPT of stage {h.stage} comes before its {kinds[-1].value} of micro-batch {late[0]}")
+    return None
 
 
 def _check_complete(seen: dict[tuple, tuple], num_stages: int, num_microbatches: int, stage_ranks: list[int],
@@ -89,23 +112,3 @@ def _check_action(r: int, i: int, a: Action, h: Action, num_stages: int, num_mic
             and 0 <= a.peer < num_stages and a.peer != a.stage and a.channel in CHANNELS):
         raise fail(r, i, a, f"{a.kind.value} needs a route index, a peer stage other than its own "
                             f"(0..{num_stages - 1}) and a channel F, B or FB")
-
-
-def _check_order(r: int, acts: list[Action], num_microbatches: int, kinds: tuple[Kind, ...]) -> None:
-    """Per stage and micro-batch F < B (< W), and every B (and W) before the stage's OPT. The halves of
-    an FB are checked against what came before the pair: they run together, so neither may need the other."""
-    done: set[tuple] = set()
-    before = {Kind.B: Kind.F, Kind.W: Kind.B}
-    for i, a in enumerate(acts):
-        halves = a.halves() if a[0] is Kind.FB else (a,)
-        for h in halves:
-            kind = h[0]
-            if kind in before and (before[kind], h[1], h[2]) not in done:
-                raise fail(r, i, a, f"{kind.value} of micro-batch {h.microbatch} comes before its "
-                                    f"{before[kind].value} on stage {h.stage}")
-            if kind is Kind.OPT:
-                late = [mb for mb in range(num_microbatches) if (kinds[-1], h.stage, mb) not in done]
-                if late:
-                    raise fail(r, i, a, f"OPT of stage {h.stage} comes before its {kinds[-1].value} "
-                                        f"of micro-batch {late[0]}")
-        done.update(h[:3] for h in halves)
