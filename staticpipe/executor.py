@@ -42,6 +42,9 @@ class Executor:
     ``check_finite``: stop at the first NaN or Inf any op writes, with a ``NonFiniteError`` naming the stage,
     the action (so the micro-batch), the op and the variable (Paddle's ``FLAGS_check_nan_inf``, set for the
     duration of each step; it is process-wide, so steps of executors that do not check wait meanwhile).
+    With dynamic loss scaling (fp16 AMP) the backward's overflows are the scaler's (it skips the step and
+    lowers the scale, as on one device): the check then covers what each forward sends and keeps and the
+    loss, naming the op that wrote the value.
 
     Calls from several threads run one after the other (a step, a state read or write at a time).
     """
@@ -80,8 +83,10 @@ class Executor:
           one-element list of it), split into the plan's micro-batches; with no feed, one step of
           ``num_microbatches`` batches from the started loader feeding the program (Paddle's loader
           convention), raising ``core.EOFException`` at the end of its epoch. Values come back as numpy
-          arrays, merged over the step's micro-batches (batched values concatenated, others averaged: the
-          global batch's value); ``return_merged=False`` (keyword; the name Paddle's executors gave per-device
+          arrays, merged over the step's micro-batches into the global batch's value (batched values
+          concatenated; a batch mean averaged, a batch sum added, a max or min taken, as the program
+          computes it; a value that is none of these -- the square of a mean -- comes back as the list of
+          its micro-batches' values; a data variable is the batch fed); ``return_merged=False`` (keyword; the name Paddle's executors gave per-device
           results) gives each as the list of its per-micro-batch values instead (Paddle's pipeline fetches
           the last micro-batch's: ``values[-1]``); ``scope`` must
           be None (each device keeps its own);

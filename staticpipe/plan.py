@@ -222,6 +222,9 @@ class Plan:
     # each one's value for the step's batch is left in its stage's scope, where one device leaves it
     outliving: tuple[str, ...] = ()
     loss_reduction: str = "mean"  # "mean": micro-batches (and replicas) averaged; "sum": added (rewrite/loss.py)
+    # per-micro-batch values without the batch as dim 0 (metrics) -> how a fetch puts the micro-batches (and
+    # replicas) together: "mean", "sum", "max", "min", or "each" (handed out per micro-batch); rewrite/loss.py
+    reductions: Mapping[str, str] = field(default_factory=dict)
     memory: MemoryModel | None = None  # predicted bytes per stage and device (training plans)
 
     def __post_init__(self) -> None:
@@ -229,7 +232,7 @@ class Plan:
         for name in ("stages", "routes", "ranks", "exchanges", "notes", "outliving"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "actions", _frozen({r: tuple(acts) for r, acts in self.actions.items()}))
-        for name in ("data_vars", "data_specs", "producers", "shared", "replicated"):
+        for name in ("data_vars", "data_specs", "producers", "shared", "replicated", "reductions"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     @property

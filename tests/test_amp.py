@@ -608,3 +608,46 @@ def test_the_gpt_example_trains_with_amp(amp, tmp_path):
     assert re.search(r"^staticpipe\.verify: OK after 3 steps", result.stdout, re.M), result.stdout[-3000:]
     first, last = (float(x) for x in re.search(r"loss ([\d.]+) -> ([\d.]+);", result.stdout).groups())
     assert last < first
+
+
+def test_check_finite_leaves_the_loss_scalers_overflows_to_it_and_still_stops_a_nan_forward():
+    """With ``check_finite=True`` and dynamic loss scaling, an overflow in the backward (the first weight's
+    row for feature 0 is zero and one sample's feature 0 is 3e38: the forward is finite, that weight's
+    scaled gradient is not) is the scaler's: the step is skipped and the scale halved, exactly as on one
+    device without the check (the check raised a NonFiniteError on it, so the scale never dropped). A NaN
+    in the forward is still stopped, naming the stage, the action, the op and the variable."""
+    builder = partial(build_mlp, num_stages=2, hidden=16, in_dim=8)
+    net, ref = builder(), builder(guarded=False)
+    minimize(ref, fp16(paddle.optimizer.SGD(0.1)), None)
+    minimize(net, fp16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=4))
+    first_weight = next(op.input("Y")[0] for op in net.main.global_block().ops if op.type in ("mul", "matmul_v2"))
+    exe = staticpipe.Executor(check_finite=True)
+    exe.run(net.startup)
+    weight = exe.state_dict(net.main)[first_weight]
+    weight[0] = 0.0
+    exe.set_state_dict(net.main, {first_weight: weight})
+    ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    ref_exe.run(ref.startup, scope=scope)
+    for name, value in exe.state_dict(net.main).items():
+        scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    scale = loss_scale_names(net.main)["scale"]
+    for step in range(3):
+        batch = net.random_batch(8, seed=step)
+        if step == 0:
+            batch["features"][5, 0] = 3e38
+        loss, = exe.run(net.main, feed=batch, fetch_list=[net.loss])
+        want, = ref_exe.run(ref.main, feed=batch, fetch_list=[ref.loss], scope=scope)
+        np.testing.assert_allclose(loss, want, rtol=1e-5)
+        if step == 0:
+            assert all(v.item() == INIT_SCALE / 2 for v in stage_copies(exe, net.main, scale).values())
+    assert_same_state(exe.state_dict(net.main), {n: np.array(scope.find_var(n).get_tensor())
+                                                 for n in exe.state_dict(net.main)})
+
+    batch = net.random_batch(8, seed=9)
+    batch["features"][6, 2] = np.nan  # row 6: micro-batch 3 of 4
+    with pytest.raises(staticpipe.NonFiniteError, match=r"stage 0 \(gpu:0\) failed in action 0F3: the first "
+                       r"non-finite value: op '\w+' wrote \d+ NaN and 0 Inf into '[^']+'") as err:
+        exe.run(net.main, feed=batch, fetch_list=[net.loss])
+    writer = next(op.type for op in net.main.global_block().ops if err.value.variable in op.output_arg_names)
+    assert err.value.op == writer
+    exe.close()

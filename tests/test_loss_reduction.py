@@ -25,6 +25,19 @@ LOSSES = {  # name -> the loss of per-sample cross entropies ``ce`` [B, 1] and a
 
 
 def network(loss_name: str, pipelined: bool, **pipeline):
+    def head(y, logits, main):
+        if loss_name == "sum reduction":
+            return paddle.nn.functional.cross_entropy(logits, y, reduction="sum")
+        ce = paddle.nn.functional.cross_entropy(logits, y, reduction="none")
+        reg = paddle.sum(paddle.square(main.global_block().all_parameters()[-1]))  # a batch-free term
+        return LOSSES[loss_name](ce, reg)
+    main, startup, loss = two_stages(head, pipelined, paddle.optimizer.Momentum(0.05, momentum=0.9), **pipeline)
+    return main, startup, loss
+
+
+def two_stages(head, pipelined: bool, optimizer, **pipeline):
+    """x -> fc + tanh on gpu:0 -> fc (logits) on gpu:1, where ``head(y, logits, main)`` makes the loss
+    (or a dict of values with the loss under "loss"); minimized, pipelined or on one device."""
     guard = staticpipe.device_guard if pipelined else (lambda device: contextlib.nullcontext())
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = 3
@@ -34,18 +47,10 @@ def network(loss_name: str, pipelined: bool, **pipeline):
             h = paddle.static.nn.fc(x, 8, activation="tanh")
         with guard("gpu:1"):
             y = paddle.static.data("y", [-1, 1], "int64")
-            logits = paddle.static.nn.fc(h, 3)
-            if loss_name == "sum reduction":
-                loss = paddle.nn.functional.cross_entropy(logits, y, reduction="sum")
-            else:
-                ce = paddle.nn.functional.cross_entropy(logits, y, reduction="none")
-                reg = paddle.sum(paddle.square(main.global_block().all_parameters()[-1]))  # a batch-free term
-                loss = LOSSES[loss_name](ce, reg)
-        opt = paddle.optimizer.Momentum(0.05, momentum=0.9)
-        if pipelined:
-            opt = staticpipe.PipelineOptimizer(opt, num_microbatches=M, **pipeline)
-        opt.minimize(loss)
-    return main, startup, loss
+            made = head(y, paddle.static.nn.fc(h, 3), main)
+        opt = staticpipe.PipelineOptimizer(optimizer, num_microbatches=M, **pipeline) if pipelined else optimizer
+        opt.minimize(made["loss"] if isinstance(made, dict) else made)
+    return main, startup, made
 
 
 def batches(steps=3):
@@ -147,14 +152,23 @@ rank = os.environ["PADDLE_TRAINER_ID"]
 np.savez(os.path.join({out!r}, f"got_{{rank}}.npz"), *[v for v in final if v is not None])
 np.save(os.path.join({out!r}, f"mine_{{rank}}.npy"), np.array([v is not None for v in final]))
 np.save(os.path.join({out!r}, f"losses_{{rank}}.npy"), np.array(losses))
+metrics, _, _ = t.metrics_pipelined(list(np.load(os.path.join({out!r}, "metrics_initial.npz")).values()), dp_degree=2)
+if metrics[0] is not None:
+    np.savez(os.path.join({out!r}, f"metrics_{{rank}}.npz"), *metrics[:4])
 """
 
 
 def test_a_sum_reduced_loss_adds_the_replicas_gradients_and_losses(tmp_path):
-    """2 replicas x 2 stages (4 processes): the global batch's sum, as on one device (computed here, once)."""
+    """2 replicas x 2 stages (4 processes): the global batch's sum, as on one device (computed here, once);
+    fetched metrics too (the replicas' sums added, means averaged, maxima and minima taken)."""
     names, initial, ref_losses, ref = reference("sum")
     np.savez(tmp_path / "initial.npz", *initial)
+    metrics_initial, whole, _ = metrics_reference()
+    np.savez(tmp_path / "metrics_initial.npz", *metrics_initial)
     launch_script(tmp_path, LAUNCHED, 4)
+    for rank in (1, 3):  # the replicas' last stages: the global batch's sum, mean, max and min, on each
+        for name, value, want in zip(METRICS, np.load(tmp_path / f"metrics_{rank}.npz").values(), whole):
+            np.testing.assert_allclose(value, want, rtol=1e-5, err_msg=f"rank {rank}, {name}")
     got = [None] * len(names)
     for rank in (0, 1):  # replica 0's two stages hold every parameter between them
         mine = np.load(tmp_path / f"mine_{rank}.npy")
@@ -164,3 +178,56 @@ def test_a_sum_reduced_loss_adds_the_replicas_gradients_and_losses(tmp_path):
     for name, value in zip(names, got):
         np.testing.assert_allclose(value, ref[name], rtol=1e-5, atol=1e-7, err_msg=name)
     np.testing.assert_allclose(np.load(tmp_path / "losses_1.npy"), ref_losses, rtol=1e-5)  # replica 0's last stage
+
+
+METRICS = ["correct", "accuracy", "top", "low", "squared"]
+
+
+def metrics_network(pipelined: bool, **pipeline):
+    """The two-stage network with metrics of every kind on its last stage: (main, startup, values by name)."""
+    def head(y, logits, main):
+        ce = paddle.nn.functional.cross_entropy(logits, y, reduction="none")
+        hits = paddle.cast(paddle.equal(paddle.argmax(logits, axis=1, keepdim=True), y), "float32")
+        return dict(loss=paddle.mean(ce), correct=paddle.sum(hits), accuracy=paddle.mean(hits), top=paddle.max(logits),
+                    low=paddle.min(ce), squared=paddle.mean(ce) * paddle.mean(ce), ce=ce)
+    return two_stages(head, pipelined, paddle.optimizer.SGD(0.1), **pipeline)
+
+
+def metrics_reference():
+    """One device on the first batch: (initial parameters, the metrics, the per-sample losses)."""
+    main, startup, ref = metrics_network(False)
+    exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    exe.run(startup, scope=scope)
+    initial = [np.array(scope.find_var(p.name).get_tensor()) for p in main.global_block().all_parameters()]
+    *whole, ce = exe.run(main, feed=batches(1)[0], fetch_list=[ref[n] for n in METRICS + ["ce"]], scope=scope)
+    return initial, whole, ce
+
+
+def metrics_pipelined(initial: list, **pipeline):
+    """The pipeline's metrics on the first batch (None where another process has them), and its plan."""
+    main, startup, mine = metrics_network(True, **pipeline)
+    pipe = staticpipe.Executor()
+    pipe.run(startup)
+    pipe.set_state_dict(main, {p.name: v for p, v in zip(main.global_block().all_parameters(), initial)
+                               if p.name in pipe.state_dict(main)})
+    got = pipe.run(main, feed=batches(1)[0], fetch_list=[mine[n] for n in METRICS])
+    pipe.close()
+    return got, staticpipe.plan_of(main), mine
+
+
+@pytest.mark.parametrize("ir", ["legacy"] + (["pir"] if PADDLE_MAJOR >= 3 else []))
+def test_fetched_metrics_combine_by_what_they_are(ir):
+    """A fetched value without the batch as dim 0 is put together by its reduction, as one device computes it
+    on the whole batch: a batch sum added, a mean averaged, a max or min taken; anything else (the square of
+    a mean) comes back as the list of its micro-batches' values, each as one device computes it there."""
+    with paddle.pir_utils.IrGuard() if ir == "pir" else contextlib.nullcontext():
+        initial, whole, ce = metrics_reference()
+        got, plan, mine = metrics_pipelined(initial)
+        if ir == "legacy":  # PIR values are named by the plan's view
+            assert {n: plan.reductions[mine[n].name] for n in METRICS} == {
+                "correct": "sum", "accuracy": "mean", "top": "max", "low": "min", "squared": "each"}
+    for name, value, want in zip(METRICS[:4], got, whole):
+        np.testing.assert_allclose(value, want, rtol=1e-5, err_msg=name)
+    assert isinstance(got[4], list) and len(got[4]) == M
+    for value, part in zip(got[4], np.split(ce, M)):  # the square of each micro-batch's mean
+        np.testing.assert_allclose(value, np.mean(part) ** 2, rtol=1e-5)

@@ -19,7 +19,7 @@ from ..schedule import Schedule, get_kind, lower, make_schedule, validate
 from ..schedule.actions import F
 from ..schedule.simulate import StageCosts
 from .activations import as_activations
-from .loss import MEAN, loss_reduction
+from .loss import MEAN, loss_reduction, value_reductions
 from .memory import memory_model
 from .options import PlanOptions
 from .programs import MERGED_SUFFIX, section_runs
@@ -73,7 +73,7 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
                 replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree,
                 replica_batches=options.replica_batches, outliving=tuple(outliving), loss_reduction=reduction,
-                memory=memory_model(stages, actions, ranks))
+                reductions=_reductions(program, assignment), memory=memory_model(stages, actions, ranks))
 
 
 def check_layout(program: framework.Program, options: PlanOptions) -> tuple[StageAssignment, list[str], list[int]]:
@@ -123,7 +123,18 @@ def build_forward_plan(program: framework.Program, num_microbatches: int = 1, ch
     return Plan(stages=tuple(stages), routes=tuple(routes), num_microbatches=num_microbatches, schedule=FORWARD_ONLY,
                 actions=lower(compute, routes), ranks=tuple(ranks), data_vars=data_vars,
                 data_specs=_data_specs(program, data_vars, num_microbatches), loss="", producers=producers,
-                micro_batch_size=micro_batch_size, dp_degree=options.dp_degree, replica_batches=replica_batches)
+                micro_batch_size=micro_batch_size, dp_degree=options.dp_degree, replica_batches=replica_batches,
+                reductions=_reductions(program, assignment))
+
+
+def _reductions(program: framework.Program, assignment: StageAssignment) -> dict[str, str]:
+    """``loss.value_reductions`` of the program; batched: declared with -1 (the batch) as dim 0."""
+    block = program.global_block()
+
+    def batched(name: str) -> bool:
+        shape = list(program.var(name).shape if isinstance(program, PirView) else block._var_recursive(name).shape)
+        return bool(shape) and shape[0] == -1
+    return value_reductions(block, assignment, batched)
 
 
 def _data_specs(program: framework.Program, data_vars: dict, num_microbatches: int) -> dict:

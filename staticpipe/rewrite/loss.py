@@ -14,20 +14,27 @@ be added M times). The op that reduces the batch decides: ``mean`` / ``reduce_me
 dimension a mean, ``reduce_sum`` (PIR ``sum``) a sum. Anything else (a max, a square of a mean, ...)
 is neither, and refused with what to do. ``loss_reduction="mean"`` (Paddle's pipeline, ``staticpipe.fleet``)
 averages the micro-batches whatever the loss.
+
+Fetched values read the same way (``value_reductions``): a metric without the batch as dim 0 is a mean,
+a sum, or -- through casts and copies only -- a max or min over the batch, which the runtime combines
+over micro-batches (and replicas) to the whole batch's value; anything else is handed out per
+micro-batch, as Paddle's pipeline hands out every fetched value.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .stages import FWD, StageAssignment
 
 MEAN, SUM, CONSTANT = "mean", "sum", "constant"
+MAX, MIN, EACH = "max", "min", "each"  # fetched values only: a batch max/min, or none of these (per micro-batch)
 _KEEP = {"scale", "cast", "assign"}
 _ADD = {"elementwise_add", "elementwise_sub", "add", "subtract"}
 _MUL = {"elementwise_mul", "multiply"}
 _DIV = {"elementwise_div", "divide"}
 _MEANS = {"mean", "reduce_mean", "mean_all"}  # mean_all: PIR's mean of every element
 _SUMS = {"reduce_sum"}  # and PIR's "sum" (legacy "sum" is add_n: terms)
+_EXTREMES = {"reduce_max": MAX, "max": MAX, "reduce_min": MIN, "min": MIN}  # legacy and PIR names
 
 
 class NotAReduction(ValueError):
@@ -37,6 +44,28 @@ class NotAReduction(ValueError):
 def loss_reduction(block: Any, assignment: StageAssignment, loss: str) -> str:
     """``MEAN`` or ``SUM`` for ``loss`` of ``block`` (legacy block or ``PirView``); ``NotAReduction``
     naming the op that makes it neither."""
+    producer, depends = _forward_graph(block, assignment)
+    return SUM if _kind(loss, producer, depends) == SUM else MEAN
+
+
+def value_reductions(block: Any, assignment: StageAssignment, batched: Callable[[str], bool]) -> dict[str, str]:
+    """How each forward value that depends on the batch without having it as its first dimension (a loss,
+    a metric) is one value for the whole batch, from its micro-batches' values: ``MEAN``, ``SUM``, ``MAX``,
+    ``MIN``, or ``EACH`` (none of these: handed out per micro-batch, as Paddle's pipeline hands out every
+    fetched value). The same reading as the loss's, a max or min kept only through casts and copies."""
+    producer, depends = _forward_graph(block, assignment)
+    out = {}
+    for name in sorted(depends):
+        if name in producer and not batched(name):
+            try:
+                out[name] = _kind(name, producer, depends, extremes=True)
+            except NotAReduction:
+                out[name] = EACH
+    return out
+
+
+def _forward_graph(block: Any, assignment: StageAssignment) -> tuple[dict[str, Any], set[str]]:
+    """(value -> the forward op that writes it, the values that depend on a data feed)."""
     producer: dict[str, Any] = {}
     depends: set[str] = set()
     written = {n for i, op in enumerate(block.ops) if assignment.role[i] == FWD for n in op.output_arg_names}
@@ -48,8 +77,7 @@ def loss_reduction(block: Any, assignment: StageAssignment, loss: str) -> str:
             depends.update(op.output_arg_names)
         for name in op.output_arg_names:
             producer[name] = op
-    kind = _kind(loss, producer, depends)
-    return SUM if kind == SUM else MEAN
+    return producer, depends
 
 
 def _is_feed(block: Any, name: str) -> bool:
@@ -57,23 +85,29 @@ def _is_feed(block: Any, name: str) -> bool:
     return var is not None and not var.persistable and not getattr(var, "constant", False)
 
 
-def _kind(name: str, producer: dict[str, Any], depends: set[str]) -> str:
+def _kind(name: str, producer: dict[str, Any], depends: set[str], extremes: bool = False) -> str:
+    """The reduction ``name`` is; ``extremes``: a max or min over the batch counts too (fetched values)."""
     if name not in depends:
         return CONSTANT
     op = producer[name]
     t = op.type
+    if extremes and t in _EXTREMES and _over_batch(op):
+        return _EXTREMES[t]
     if t in _KEEP:
-        return _kind(op.input_arg_names[0], producer, depends)
+        kind = _kind(op.input_arg_names[0], producer, depends, extremes)
+        if kind in (MAX, MIN) and t == "scale":  # a negative factor turns a max into a min: neither, here
+            raise NotAReduction(_why(op, "it scales a batch max or min"))
+        return kind
     if t in _ADD or _adds_terms(op):
-        kinds = {_kind(n, producer, depends) for n in op.input_arg_names}
+        kinds = {_kind(n, producer, depends, extremes) for n in op.input_arg_names}
         terms = kinds - {CONSTANT}
-        if len(terms) == 1 and not (terms == {SUM} and CONSTANT in kinds):
+        if len(terms) == 1 and not (terms == {SUM} and CONSTANT in kinds) and not terms & {MAX, MIN}:
             return terms.pop()
         raise NotAReduction(_why(op, f"it adds terms of kinds {sorted(kinds)} (a batch mean, a batch sum, a "
                                      "value that does not depend on the batch)"))
     if t in _MUL | _DIV:
-        kinds = [_kind(n, producer, depends) for n in op.input_arg_names[:2]]
-        if kinds.count(CONSTANT) == 1 and (t in _MUL or kinds[1] == CONSTANT):
+        kinds = [_kind(n, producer, depends, extremes) for n in op.input_arg_names[:2]]
+        if kinds.count(CONSTANT) == 1 and (t in _MUL or kinds[1] == CONSTANT) and not set(kinds) & {MAX, MIN}:
             return next(k for k in kinds if k != CONSTANT)
         raise NotAReduction(_why(op, "both of its operands depend on the batch"))
     if t in _MEANS or t in _SUMS or t == "sum":  # "sum" here: PIR's reduce sum (add_n went above)

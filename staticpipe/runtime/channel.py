@@ -1,6 +1,6 @@
 """Channels: how a route's tensors travel from one stage worker to another.
 
-The runtime only calls ``send``, ``recv``, ``allreduce``, ``replica_mean``, ``abort``, ``reset`` and
+The runtime only calls ``send``, ``recv``, ``allreduce``, ``replica_mean``, ``replica_extreme``, ``abort``, ``reset`` and
 ``flush``. Keys name messages: ``(route, micro-batch)`` for the cut variables of a schedule (the plan's
 ``Route``s), ``("opt", exchange)`` for the once-per-step exchanges of the optimize sections (the plan's
 ``Exchange``s). The in-process implementation below keeps a mailbox keyed that way, so a message can
@@ -50,6 +50,10 @@ class Channel(ABC):
     def replica_mean(self, value: np.ndarray) -> np.ndarray:
         """The mean of ``value`` over the data-parallel replicas of this rank's stages, the same bits on
         each; a single pipeline is its own mean."""
+        return value
+
+    def replica_extreme(self, value: np.ndarray, largest: bool) -> np.ndarray:
+        """The elementwise max (``largest``) or min of ``value`` over the replicas, as ``replica_mean``."""
         return value
 
 

@@ -33,7 +33,7 @@ import os
 import queue
 import socket
 import threading
-from typing import Hashable
+from typing import Any, Hashable
 
 import numpy as np
 
@@ -163,12 +163,17 @@ class DistributedChannel(Channel):
             return value
         return self._sum(value, self._holders) / np.asarray(self.replicas, dtype=value.dtype)
 
-    def _sum(self, value: np.ndarray, group) -> np.ndarray:
-        """gloo's ring all-reduce: every member ends with the same bits."""
+    def replica_extreme(self, value: np.ndarray, largest: bool) -> np.ndarray:
+        if self.replicas == 1:
+            return value
+        return self._sum(value, self._holders, self._dist.ReduceOp.MAX if largest else self._dist.ReduceOp.MIN)
+
+    def _sum(self, value: np.ndarray, group, op: Any = None) -> np.ndarray:
+        """gloo's ring all-reduce (a sum, or ``op``): every member ends with the same bits."""
         self._check()
         with self._eager():
             tensor = paddle.to_tensor(value, place=self._place)
-            self._dist.all_reduce(tensor, group=group)
+            self._dist.all_reduce(tensor, op=self._dist.ReduceOp.SUM if op is None else op, group=group)
             return tensor.numpy()
 
     def flush(self) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -34,6 +34,35 @@ def failing_as(stage: int, device: str, action: object, note: str = "") -> Itera
         raise StageError(stage, device, action, exc, note) from exc
 
 
+class FoundNonFinite(RuntimeError):
+    """A value staticpipe checked itself holds a NaN or Inf (``check_finite`` on a loss-scaled program)."""
+
+    def __init__(self, op: str, variable: str, nans: int, infs: int):
+        super().__init__(f"op '{op}' wrote {nans} NaN and {infs} Inf into '{variable}'")
+        self.op, self.variable, self.nans, self.infs = op, variable, nans, infs
+
+
+def check_finite_values(program: Any, scope: Any, names: Iterable[str]) -> None:
+    """Raise ``FoundNonFinite`` for the first of ``names`` (values a section run left in ``scope``) that
+    holds a NaN or Inf, naming the op of ``program`` that wrote it.
+
+    Why staticpipe checks these itself: Paddle's per-op check (``FLAGS_check_nan_inf``) is one flag for
+    the whole process, and under dynamic loss scaling the backward's overflows are expected -- the scaler
+    finds them, skips the step and lowers the scale -- while stages run forwards and backwards at once. So
+    on a loss-scaled program the forward's outputs (what it sends, keeps, and the loss) are checked after
+    each forward, and the backward is left to the scaler."""
+    for name in names:
+        var = scope.find_var(name)
+        if var is None or not var.get_tensor()._is_initialized():
+            continue
+        value = np.asarray(var.get_tensor())
+        if value.dtype.kind != "f" or np.isfinite(value).all():
+            continue
+        writers = [op.type for op in program.global_block().ops if name in op.output_arg_names]
+        raise FoundNonFinite(writers[-1] if writers else "?", name, int(np.isnan(value).sum()),
+                             int(np.isinf(value).sum()))
+
+
 class NonFiniteError(StageError):
     """``Executor(check_finite=True)`` found the first NaN or Inf: names the stage, its device, the action
     (and so the micro-batch), the op and the variable it wrote."""
@@ -51,7 +80,10 @@ class NonFiniteError(StageError):
     @classmethod
     def of(cls, error: StageError) -> "NonFiniteError | None":
         """The ``NonFiniteError`` a stage error is, when Paddle's NaN/Inf check raised it; else None."""
-        found = cls._PADDLE.search(str(error.__cause__ or ""))
+        cause = error.__cause__
+        if isinstance(cause, FoundNonFinite):
+            return cls(error, cause.op, cause.variable, cause.nans, cause.infs)
+        found = cls._PADDLE.search(str(cause or ""))
         if found is None:
             return None
         nans, infs, op, variable = found.groups()

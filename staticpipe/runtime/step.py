@@ -13,11 +13,9 @@ out once per plan.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import threading
-from typing import Any, Iterator
+from typing import Any
 
-from .._paddle import core, np, paddle
+from .._paddle import core, np
 from ..io import FeedSpec, split_microbatches
 from ..ir import as_fetched, as_float, declared_var
 from ..placement import generic_place
@@ -25,43 +23,8 @@ from ..plan import FORWARD, FORWARD_ONLY, OPTIMIZE, PER_MICROBATCH, Plan
 from .devices import Devices
 from . import state
 from .errors import NonFiniteError, PipelineAborted, StageError
+from .nan_inf import NAN_INF_GATE, scales_loss
 from .worker import RankProgram, StepJob, StepResult
-
-
-NAN_INF_FLAG = "FLAGS_check_nan_inf"
-
-
-class _NanInfGate:
-    """Paddle's NaN/Inf check is one process-wide flag, read by every op of every executor: a step of an
-    executor that checks and a step of one that does not must not overlap, or the second fails with
-    Paddle's raw "There are NAN or INF" at a random op (once mid-optimize, where stages may then disagree).
-    Steps that want the same setting run together; a step that wants the other waits for them to end.
-    The flag is put back as it was once the last of them ends (plain Paddle runs see the user's own)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._running: dict[bool, int] = {False: 0, True: 0}
-        self._before: Any = None
-
-    @contextlib.contextmanager
-    def held(self, check: bool) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._running[not check] == 0)
-            if self._running[check] == 0:
-                self._before = paddle.get_flags(NAN_INF_FLAG)
-                paddle.set_flags({NAN_INF_FLAG: check})
-            self._running[check] += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._running[check] -= 1
-                if self._running[check] == 0:
-                    paddle.set_flags(self._before)
-                self._cond.notify_all()
-
-
-NAN_INF_GATE = _NanInfGate()
 
 
 class StepRunner:
@@ -75,6 +38,7 @@ class StepRunner:
         self._programs: dict[Plan, dict[int, RankProgram]] = {}
         self._places: dict[Plan, dict[int, core.Place]] = {}
         self._batched: dict[tuple[Plan, str], bool] = {}
+        self._scaled: dict[Plan, bool] = {}  # plan -> whether it scales its loss (``scales_loss``)
         self._local: dict[Plan, list] = {}  # plan -> the stages this process runs
         self._prepared: set[tuple] = set()  # (plan, fetch lists) whose runs are prepared
 
@@ -128,7 +92,8 @@ class StepRunner:
             stage = plan.stages[plan.producers[name].stage]
             if stage.index in local:
                 worker = self.devices.worker(stage.device)
-                worker.scope.var(name).get_tensor().set(self._combine(plan, name, fetched[name]), worker.place)
+                worker.scope.var(name).get_tensor().set(self._combine(plan, name, fetched[name], each=False),
+                                                        worker.place)
         out = []
         for name in fetch:
             if name not in persist and name not in plan.producers:  # a data variable: what was fed
@@ -187,10 +152,16 @@ class StepRunner:
             record = lambda *event: records.append(event)  # noqa: E731
         # in one process the first rank runs here, on the calling thread: a hand-off to a worker thread
         # and back costs two thread wake-ups (58 µs measured); the other ranks run on their workers
+        # under dynamic loss scaling the backward's overflows are the scaler's: Paddle's per-op check, one flag
+        # for the process, stays off and the forwards' outputs are checked by the workers instead
+        if plan not in self._scaled:
+            self._scaled[plan] = scales_loss(plan)
+        scaled = self.check_finite and self._scaled[plan]
         jobs = [(plan.ranks[rank], StepJob(plan, program, feeds, fetch, channel, self._places[plan],
-                                           micro_batch_size, shapes, record)) for rank, program in programs.items()]
+                                           micro_batch_size, shapes, record, scaled))
+                for rank, program in programs.items()]
         here = jobs.pop(0) if self.devices.world is None else None
-        with NAN_INF_GATE.held(self.check_finite):  # process-wide: no step of another setting meanwhile
+        with NAN_INF_GATE.held(self.check_finite and not scaled):  # process-wide: no step of another setting meanwhile
             return self._run_jobs(jobs, here, channel, local)
 
     def _run_jobs(self, jobs: list, here: tuple | None, channel: Any, local: list) -> dict[str, list]:
@@ -236,28 +207,35 @@ class StepRunner:
                              "replica_batches='own' to feed each replica its own batches, as Paddle's fleet does)")
         return split_microbatches(batch, plan.dp_degree)[self.devices.world[0] // len(plan.ranks)]
 
-    def _replica_value(self, plan: Plan, name: str, value: np.ndarray) -> np.ndarray:
-        """A fetched mean (loss, metric) over the whole global batch: the mean of the replicas' means
-        (equal slices). Batched values stay this replica's rows."""
+    def _replica_value(self, plan: Plan, name: str, value: np.ndarray | list) -> np.ndarray | list:
+        """A fetched value over the whole global batch from the replicas' (equal slices): their mean for a
+        mean, their sum for a sum, their max or min. Batched values, and values handed out per micro-batch,
+        stay this replica's."""
         batched, dtype = self._declared(plan, name)
-        if plan.dp_degree == 1 or batched:
+        how = reduction(plan, name)
+        if plan.dp_degree == 1 or batched or how == "each":
             return value
-        mean = self.devices.channel_for(plan).replica_mean(np.ascontiguousarray(as_float(value, dtype)))
-        if name == plan.loss and plan.loss_reduction == "sum":  # the global batch's sum: the replicas' added
-            mean = mean * plan.dp_degree
-        return as_fetched(mean, value, dtype).reshape(np.shape(value))
+        channel, numbers = self.devices.channel_for(plan), np.ascontiguousarray(as_float(value, dtype))
+        if how in ("max", "min"):
+            total = channel.replica_extreme(numbers, how == "max")
+        else:
+            total = channel.replica_mean(numbers) * (plan.dp_degree if how == "sum" else 1)
+        return as_fetched(total, value, dtype).reshape(np.shape(value))
 
-    def _combine(self, plan: Plan, name: str, values: list[np.ndarray]) -> np.ndarray:
+    def _combine(self, plan: Plan, name: str, values: list[np.ndarray], each: bool = True) -> np.ndarray | list:
         """Per-micro-batch values of one step as one value: batched values (dim 0 is -1 in the program)
-        are concatenated; others (mean losses, metrics) are averaged, which equals the full-batch value of
-        a mean over the batch."""
+        are concatenated; the others as ``reduction`` says: a mean averaged (the full batch's mean), a sum
+        added, a max or min taken; any other value is handed out as the list of its micro-batches' values
+        (``each``; else averaged: a value left in a stage's scope must be one)."""
         batched, dtype = self._declared(plan, name)
         if batched:
             return np.concatenate(values, axis=0)
+        how = reduction(plan, name)
+        if how == "each" and each:
+            return [np.array(v) for v in values]
         numbers = np.stack([as_float(v, dtype) for v in values])
-        if name == plan.loss and plan.loss_reduction == "sum":  # a batch sum: the micro-batches' sums added
-            return as_fetched(np.sum(numbers, axis=0), values[0], dtype)
-        return as_fetched(np.mean(numbers, axis=0), values[0], dtype)
+        combine = {"sum": np.sum, "max": np.max, "min": np.min}.get(how, np.mean)
+        return as_fetched(combine(numbers, axis=0), values[0], dtype)
 
     def _declared(self, plan: Plan, name: str) -> tuple[bool, Any]:
         """Whether per-micro-batch value ``name`` has the batch as its first dimension (-1 in the program),
@@ -298,6 +276,13 @@ def _size_mismatch(plan: Plan, size: int, expected: int, compiled: bool) -> str:
 
 def _rows(batch: dict[str, np.ndarray]) -> int:
     return len(next(iter(batch.values())))
+
+
+def reduction(plan: Plan, name: str) -> str:
+    """How fetched per-micro-batch value ``name`` (not batched) puts the micro-batches together: the loss by
+    the plan's loss reduction, others by ``plan.reductions`` (a value not found there does not depend on the
+    batch: every micro-batch gives it alike, and their mean is it)."""
+    return plan.loss_reduction if name == plan.loss else plan.reductions.get(name, "mean")
 
 
 def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:

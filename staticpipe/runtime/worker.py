@@ -19,7 +19,7 @@ from ..ir import declared, free_scope, is_pir_program, np_dtype, tensor_bytes, t
 from ..plan import BACKWARD, FORWARD, INIT, OPTIMIZE, WEIGHT, CutVar, Plan, Run, Section, Stage
 from ..schedule import Action, Kind
 from .channel import Channel
-from .errors import PipelineAborted, StageError, failing_as
+from .errors import PipelineAborted, StageError, check_finite_values, failing_as
 from .optimize_phase import run_optimizers
 from .pir_runs import PirRuns
 
@@ -81,6 +81,7 @@ class StepJob:
     micro_batch_size: int | None  # None: any (evaluation)
     shapes: list[tuple]  # micro-batch -> the shapes of its data (what the kept activations' sizes follow)
     record: Callable[[Action, float, float, float], None] | None = None  # (action, start, end, thread CPU s)
+    check_forwards: bool = False  # check each forward's outputs for NaN/Inf here (errors.check_finite_values)
 
 
 @dataclass
@@ -230,6 +231,10 @@ class DeviceWorker:
                 scope.var(name).get_tensor().set(value, self.place)
         names = job.fetch.get((a.stage, kind), ())
         self.execute(section.run, scope, names)
+        if a.kind is Kind.F and job.check_forwards:
+            made = section.run.keep + names + ((job.plan.loss,) if job.plan.producers.get(job.plan.loss) is not None
+                                               and job.plan.producers[job.plan.loss].stage == a.stage else ())
+            check_finite_values(section.run.program, scope, dict.fromkeys(made))
         if a.kind is Kind.F:
             held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, a.microbatch, scope)
             stats = self.memory.setdefault(a.stage, MemoryStats())
