@@ -154,7 +154,7 @@ np.save(os.path.join({out!r}, f"mine_{{rank}}.npy"), np.array([v is not None for
 np.save(os.path.join({out!r}, f"losses_{{rank}}.npy"), np.array(losses))
 metrics, _, _ = t.metrics_pipelined(list(np.load(os.path.join({out!r}, "metrics_initial.npz")).values()), dp_degree=2)
 if metrics[0] is not None:
-    np.savez(os.path.join({out!r}, f"metrics_{{rank}}.npz"), *metrics[:4])
+    np.savez(os.path.join({out!r}, f"metrics_{{rank}}.npz"), *metrics[:-1])
 """
 
 
@@ -180,7 +180,7 @@ def test_a_sum_reduced_loss_adds_the_replicas_gradients_and_losses(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "losses_1.npy"), ref_losses, rtol=1e-5)  # replica 0's last stage
 
 
-METRICS = ["correct", "accuracy", "top", "low", "squared"]
+METRICS = ["correct", "accuracy", "accuracy op", "top", "low", "squared"]
 
 
 def metrics_network(pipelined: bool, **pipeline):
@@ -188,8 +188,9 @@ def metrics_network(pipelined: bool, **pipeline):
     def head(y, logits, main):
         ce = paddle.nn.functional.cross_entropy(logits, y, reduction="none")
         hits = paddle.cast(paddle.equal(paddle.argmax(logits, axis=1, keepdim=True), y), "float32")
-        return dict(loss=paddle.mean(ce), correct=paddle.sum(hits), accuracy=paddle.mean(hits), top=paddle.max(logits),
-                    low=paddle.min(ce), squared=paddle.mean(ce) * paddle.mean(ce), ce=ce)
+        return {"loss": paddle.mean(ce), "correct": paddle.sum(hits), "accuracy": paddle.mean(hits),
+                "accuracy op": paddle.static.accuracy(paddle.nn.functional.softmax(logits), y),
+                "top": paddle.max(logits), "low": paddle.min(ce), "squared": paddle.mean(ce) * paddle.mean(ce), "ce": ce}
     return two_stages(head, pipelined, paddle.optimizer.SGD(0.1), **pipeline)
 
 
@@ -225,9 +226,10 @@ def test_fetched_metrics_combine_by_what_they_are(ir):
         got, plan, mine = metrics_pipelined(initial)
         if ir == "legacy":  # PIR values are named by the plan's view
             assert {n: plan.reductions[mine[n].name] for n in METRICS} == {
-                "correct": "sum", "accuracy": "mean", "top": "max", "low": "min", "squared": "each"}
-    for name, value, want in zip(METRICS[:4], got, whole):
+                "correct": "sum", "accuracy": "mean", "accuracy op": "mean", "top": "max", "low": "min",
+                "squared": "each"}
+    for name, value, want in zip(METRICS[:-1], got, whole):
         np.testing.assert_allclose(value, want, rtol=1e-5, err_msg=name)
-    assert isinstance(got[4], list) and len(got[4]) == M
-    for value, part in zip(got[4], np.split(ce, M)):  # the square of each micro-batch's mean
+    assert isinstance(got[-1], list) and len(got[-1]) == M
+    for value, part in zip(got[-1], np.split(ce, M)):  # the square of each micro-batch's mean
         np.testing.assert_allclose(value, np.mean(part) ** 2, rtol=1e-5)

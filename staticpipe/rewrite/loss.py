@@ -93,6 +93,9 @@ def _kind(name: str, producer: dict[str, Any], depends: set[str], extremes: bool
     t = op.type
     if extremes and t in _EXTREMES and _over_batch(op):
         return _EXTREMES[t]
+    if extremes and t == "accuracy":  # the fraction right (a mean), and the counts right and in all (sums)
+        fraction = op.output("Accuracy") or op.output("accuracy")  # the legacy slot's name, PIR's
+        return MEAN if name in fraction else SUM
     if t in _KEEP:
         kind = _kind(op.input_arg_names[0], producer, depends, extremes)
         if kind in (MAX, MIN) and t == "scale":  # a negative factor turns a max into a min: neither, here

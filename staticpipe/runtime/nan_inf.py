@@ -36,14 +36,15 @@ class _NanInfGate:
             self._cond.wait_for(lambda: self._running[not check] == 0)
             if self._running[check] == 0:
                 self._before = paddle.get_flags(NAN_INF_FLAG)
-                paddle.set_flags({NAN_INF_FLAG: check})
+                if self._before[NAN_INF_FLAG] != check:  # unchanged: no call into Paddle (two per step)
+                    paddle.set_flags({NAN_INF_FLAG: check})
             self._running[check] += 1
         try:
             yield
         finally:
             with self._cond:
                 self._running[check] -= 1
-                if self._running[check] == 0:
+                if self._running[check] == 0 and self._before[NAN_INF_FLAG] != check:
                     paddle.set_flags(self._before)
                 self._cond.notify_all()
 
