@@ -4,7 +4,8 @@ Paddle 1.8's pipeline tutorial trains ResNet-50 on random data with the stem and
 bottleneck blocks on ``gpu:0`` and the rest, the loss and the accuracy on ``gpu:1``, a DataLoader whose
 every batch is one micro-batch, and ``exe.train_from_dataset(fluid.default_main_program())``. This is that
 script with only the names changed: ``fluid.layers`` -> ``paddle.static.nn`` / ``paddle.nn.functional``
-(Paddle 2.6 has no ``fluid.layers``), ``fluid.device_guard`` -> ``staticpipe.device_guard``,
+(Paddle 2.6 has no ``fluid.layers``; its convolution and batch norm -> ``paddle.nn.Conv2D`` /
+``BatchNorm2D``, which also build Paddle 3's PIR programs), ``fluid.device_guard`` -> ``staticpipe.device_guard``,
 ``fluid.optimizer.PipelineOptimizer`` -> ``staticpipe.PipelineOptimizer``, ``fluid.io.DataLoader`` ->
 ``staticpipe.io.DataLoader``, ``fluid.Executor`` -> ``staticpipe.Executor``.
 
@@ -36,10 +37,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402  (first: it settles Paddle's static-IR flag)
-
-# models' ResNet is built with legacy-only layers (paddle.static.nn.conv2d, batch_norm): on Paddle 3 this
-# script opts in to the legacy IR (README "PIR programs")
-staticpipe.use_legacy_ir()
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 
@@ -68,9 +65,12 @@ def parse_args(argv=None):
 
 
 def conv_bn_layer(input, num_filters, filter_size, stride=1, groups=1, act=None):
-    conv = paddle.static.nn.conv2d(input=input, num_filters=num_filters, filter_size=filter_size, stride=stride,
-                                   padding=(filter_size - 1) // 2, groups=groups, act=None, bias_attr=False)
-    return paddle.static.nn.batch_norm(input=conv, act=act)
+    # fluid.layers.conv2d / batch_norm: paddle.static.nn's on Paddle 2.6 build legacy programs only, so this
+    # uses paddle.nn's layers, the same ops and parameters on Paddle 2.6 and on Paddle 3's PIR
+    conv = paddle.nn.Conv2D(input.shape[1], num_filters, filter_size, stride=stride, padding=(filter_size - 1) // 2,
+                            groups=groups, bias_attr=False)(input)
+    norm = paddle.nn.BatchNorm2D(num_filters)(conv)
+    return paddle.nn.functional.relu(norm) if act == "relu" else norm
 
 
 def shortcut(input, ch_out, stride):

@@ -10,7 +10,7 @@ from .network import Network, Variable, build_classifier
 
 
 def _conv_pool(x: Variable, out_channels: int) -> Variable:
-    x = paddle.static.nn.conv2d(x, out_channels, filter_size=5, act="relu")
+    x = paddle.nn.functional.relu(paddle.nn.Conv2D(x.shape[1], out_channels, 5)(x))  # a layer that builds both IRs
     return paddle.nn.functional.max_pool2d(x, kernel_size=2, stride=2)
 
 

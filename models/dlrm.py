@@ -11,7 +11,7 @@ from typing import Sequence
 import staticpipe  # noqa: F401  (settles Paddle's static-IR flag before paddle is used)
 import paddle
 
-from .network import Network, Variable, _distinct_init_seeds, _on_device, stage_of
+from .network import Network, Variable, _distinct_init_seeds, _on_device, fresh_names, stage_of
 
 F = paddle.nn.functional
 
@@ -54,7 +54,7 @@ def build_dlrm(
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = seed
     bound = vocab_size ** -0.5
-    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+    with paddle.static.program_guard(main, startup), fresh_names():
         with _on_device(devices[0], guarded):
             ids = [paddle.static.data(f"sparse_{i}", [None, 1], "int64") for i in range(sparse_fields)]
             tables = [paddle.static.create_parameter(  # not static.nn.embedding: it builds legacy programs only

@@ -97,6 +97,27 @@ class Network:
         return batch
 
 
+@contextlib.contextmanager
+def fresh_names() -> Iterator[None]:
+    """Parameter and layer names counted from 0 for this build, on either IR, so that every build of a
+    model names its parameters alike (a guarded build and its reference, a legacy and a PIR build).
+
+    Why more than ``unique_name.guard()``: building a PIR program, Paddle's layer helpers (``static.nn.fc``,
+    ``static.create_parameter``) take names from the *legacy* default program's own generator, which no
+    guard resets: a second build named its layers fc_5, fc_6, ... where the first had fc_0, fc_1."""
+    if not paddle.framework.in_pir_mode():  # a legacy program names its layers from a generator of its own
+        with paddle.utils.unique_name.guard():
+            yield
+        return
+    legacy = paddle.base.framework.default_main_program()
+    before, legacy._name_generator = legacy._name_generator, paddle.base.unique_name.UniqueNameGenerator()
+    try:
+        with paddle.utils.unique_name.guard():
+            yield
+    finally:
+        legacy._name_generator = before
+
+
 def _on_device(device: str, guarded: bool) -> ContextManager:
     """``device_guard(device)`` when ``guarded``, else nothing: the unguarded reference has no devices."""
     return device_guard(device) if guarded else contextlib.nullcontext()
@@ -146,7 +167,7 @@ def build_classifier(
     paddle.enable_static()  # builders may be the first static-mode code a caller runs
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = seed
-    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+    with paddle.static.program_guard(main, startup), fresh_names():
         with _on_device(devices[0], guarded):
             x = features = paddle.static.data(input_name, [None, *input_shape], "float32")
         for k, (block, stage) in enumerate(zip(blocks, stages)):

@@ -18,22 +18,24 @@ EXPANSION = 4  # a bottleneck's output has 4x the channels of its inner convolut
 SMALL_IMAGE = 64  # up to this size, a stride-1 3x3 stem replaces 7x7/2 + maxpool (CIFAR-style)
 
 
-def _conv_bn(x: Variable, channels: int, size: int, stride: int = 1, act: str | None = None) -> Variable:
-    # No conv bias: the batch norm's shift makes it redundant.
-    x = paddle.static.nn.conv2d(x, channels, size, stride=stride, padding=(size - 1) // 2, bias_attr=False)
-    return paddle.static.nn.batch_norm(x, act=act)
+def _conv_bn(x: Variable, channels: int, size: int, stride: int = 1, relu: bool = False) -> Variable:
+    # paddle.nn's layers, not paddle.static.nn.conv2d / batch_norm: those build legacy programs only, these
+    # build both IRs with the same parameter names. No conv bias: the batch norm's shift makes it redundant.
+    x = paddle.nn.Conv2D(x.shape[1], channels, size, stride=stride, padding=(size - 1) // 2, bias_attr=False)(x)
+    x = paddle.nn.BatchNorm2D(channels)(x)
+    return paddle.nn.functional.relu(x) if relu else x
 
 
 def _stem(x: Variable, width: int, small: bool) -> Variable:
     if small:
-        return _conv_bn(x, width, 3, act="relu")
-    x = _conv_bn(x, width, 7, stride=2, act="relu")
+        return _conv_bn(x, width, 3, relu=True)
+    x = _conv_bn(x, width, 7, stride=2, relu=True)
     return paddle.nn.functional.max_pool2d(x, kernel_size=3, stride=2, padding=1)
 
 
 def _bottleneck(x: Variable, channels: int, stride: int) -> Variable:
-    out = _conv_bn(x, channels, 1, act="relu")
-    out = _conv_bn(out, channels, 3, stride=stride, act="relu")
+    out = _conv_bn(x, channels, 1, relu=True)
+    out = _conv_bn(out, channels, 3, stride=stride, relu=True)
     out = _conv_bn(out, channels * EXPANSION, 1)
     short = x
     if x.shape[1] != channels * EXPANSION or stride != 1:  # projection when the shape changes

@@ -9,7 +9,7 @@ import staticpipe  # noqa: F401  (settles Paddle's static-IR flag before paddle 
 import numpy as np
 import paddle
 
-from .network import Network, Variable, _distinct_init_seeds, _on_stage, stage_of
+from .network import Network, Variable, _distinct_init_seeds, _on_stage, fresh_names, stage_of
 
 F = paddle.nn.functional
 
@@ -28,12 +28,7 @@ def _fc(x: Variable, size: int, act: str | None = None, bias: bool = True) -> Va
 
 
 def _layer_norm(x: Variable) -> Variable:
-    if paddle.framework.in_pir_mode():  # Paddle 3's PIR has no paddle.static.nn.layer_norm: the same op
-        d = x.shape[-1]
-        scale = paddle.static.create_parameter([d], "float32", default_initializer=paddle.nn.initializer.Constant(1.0))
-        shift = paddle.static.create_parameter([d], "float32", is_bias=True)
-        return F.layer_norm(x, [d], weight=scale, bias=shift)
-    return paddle.static.nn.layer_norm(x, begin_norm_axis=2)
+    return paddle.nn.LayerNorm(x.shape[-1])(x)  # builds both IRs (paddle.static.nn.layer_norm: legacy only)
 
 
 def _attention(x: Variable, n_heads: int, dropout: float) -> Variable:
@@ -93,7 +88,7 @@ def build_gpt(
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = seed
     init = paddle.nn.initializer.Normal(0.0, 0.02)
-    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+    with paddle.static.program_guard(main, startup), fresh_names():
         with _on_stage(0, guarded):
             tokens = paddle.static.data("tokens", [None, seq_len], "int64")
             table = paddle.static.create_parameter([vocab, d_model], "float32", name="tok_embedding",

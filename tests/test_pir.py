@@ -557,3 +557,37 @@ def test_the_memory_controlled_schedules_equal_one_device(schedule, devices):
     assert staticpipe.plan_of(nets[1].main).schedule == schedule
     assert_same(ref_losses, losses, ref, state, tol=2e-5)
     exe.close()
+
+
+def test_models_resnet_trains_over_two_stages_as_one_device():
+    """models' ResNet-50 (paddle.nn's Conv2D and BatchNorm2D: they build PIR programs) over 2 stages; one
+    micro-batch, so batch norm sees the whole batch as on one device. Losses, parameters and running
+    statistics as one device, the parameters found by the same names."""
+    from functools import partial
+
+    from models import build_resnet
+    builder = partial(build_resnet, depth=50, num_stages=2, width=8, image_size=16)
+    nets = {}
+    for pipelined in (False, True):
+        net = nets[pipelined] = builder(guarded=pipelined)
+        with paddle.static.program_guard(net.main, net.startup):
+            opt = paddle.optimizer.Momentum(0.05, momentum=0.9)
+            (staticpipe.PipelineOptimizer(opt, num_microbatches=1) if pipelined else opt).minimize(net.loss)
+    ref, pipe = nets[False], nets[True]
+    names = params(ref.main)
+    assert names == params(pipe.main)
+    scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    exe.run(ref.startup, scope=scope)
+    initial = {n: np.array(scope.find_var(n).get_tensor()) for n in names}
+    runner = staticpipe.Executor(paddle.CPUPlace())
+    runner.run(pipe.startup)
+    runner.set_state_dict(pipe.main, initial)
+    ref_losses, losses = [], []
+    for step in range(2):
+        batch = ref.random_batch(8, seed=step)
+        ref_losses.append(float(exe.run(ref.main, feed=batch, fetch_list=[ref.loss], scope=scope)[0]))
+        losses.append(float(runner.run(pipe.main, feed=batch, fetch_list=[pipe.loss])[0]))
+    state = runner.state_dict(pipe.main)
+    assert_same(ref_losses, losses, [np.array(scope.find_var(n).get_tensor()) for n in names],
+                [state[n] for n in names], tol=1e-5)
+    runner.close()
