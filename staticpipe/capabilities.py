@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -26,10 +28,12 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what decid
 
 @dataclass(frozen=True)
 class Bf16Support:
-    """Whether CPU stages can run bfloat16 here; ``reason`` is the probe's error when they cannot."""
+    """Whether CPU stages can run bfloat16 here; ``reason`` is the probe's error when they cannot;
+    ``backward_crashes``: the forward runs, but Paddle's bfloat16 matmul backward kills the process."""
 
     ok: bool
     reason: str = ""
+    backward_crashes: bool = False
 
 
 _probed: dict[bool, Bf16Support] = {}  # IR (True: PIR) -> the probe's answer; the kernels differ by IR
@@ -85,7 +89,40 @@ def _probe(pir: bool) -> Bf16Support:
         free_scope(scope)
     if not np.array_equal(np.asarray(got), np.full((2, 2), 4.0, np.float32)):
         return Bf16Support(False, f"a bfloat16 matmul of ones computed {np.asarray(got).tolist()}, not 4s")
-    return Bf16Support(True)
+    return _probe_pir_backward() if pir else Bf16Support(True)
+
+
+# One training step of a bfloat16 matmul in a PIR program, on one CPU device, with no staticpipe in it.
+_PIR_BACKWARD = """
+import numpy as np, paddle
+paddle.enable_static()
+main, startup = paddle.static.Program(), paddle.static.Program()
+with paddle.static.program_guard(main, startup):
+    x = paddle.static.data("x", [2, 4], "float32")
+    w = paddle.static.create_parameter([4, 4], "float32")
+    loss = paddle.mean(paddle.cast(paddle.matmul(paddle.cast(x, "bfloat16"), paddle.cast(w, "bfloat16")), "float32"))
+    paddle.optimizer.SGD(0.1).minimize(loss)
+exe = paddle.static.Executor(paddle.CPUPlace())
+exe.run(startup)
+exe.run(main, feed={"x": np.ones((2, 4), np.float32)}, fetch_list=[loss])
+"""
+
+
+def _probe_pir_backward() -> Bf16Support:
+    """Train one step of ``_PIR_BACKWARD`` in a process of its own. Why apart: Paddle 3.3.1's oneDNN
+    ``MatmulGradKernel<bfloat16>`` on PIR dies with SIGSEGV on CPUs whose forward bfloat16 matmul runs
+    (measured: also under ``paddle.amp.auto_cast`` O1 and O2, single device, no staticpipe), which no
+    exception handler survives: a pipeline step would die the same way mid-step."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PIR_BACKWARD], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return Bf16Support(False, "a bfloat16 matmul backward on PIR did not finish in 300 s", True)
+    if done.returncode == 0:
+        return Bf16Support(True)
+    how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+    last = [line.strip() for line in (done.stderr or "").splitlines() if "Error" in line or "Kernel<" in line]
+    return Bf16Support(False, f"one training step of a bfloat16 matmul on PIR ended the process ({how})"
+                       + (f": {last[-1][:200]}" if last else ""), True)
 
 
 # ops whose bfloat16 kernels on CPU are oneDNN's (what the probe runs); a cast or an add of bfloat16
@@ -125,6 +162,12 @@ def require_bf16(device: str, place: Any, what: str) -> None:
     support = cpu_bf16()
     if support.ok:
         return
+    if support.backward_crashes:
+        raise ValueError(
+            f"device {device!r} runs on the CPU, which cannot train {what} here: Paddle's PIR bfloat16 matmul "
+            f"backward kills the process on this CPU ({cpu_model()}), probe: {support.reason!r}. Train in float32, "
+            "build the program in the legacy IR for bfloat16 on CPU (staticpipe.use_legacy_ir() before building, "
+            "or STATICPIPE_LEGACY_IR=1; README \"PIR programs\"), or put this stage on a GPU")
     raise ValueError(
         f"device {device!r} runs on the CPU, which cannot run {what} here: Paddle's oneDNN has no bfloat16 matmul "
         f"on this CPU ({cpu_model()}; flags: {', '.join(cpu_flags()) or 'none of ' + ', '.join(FLAGS)}"

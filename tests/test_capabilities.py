@@ -143,3 +143,43 @@ def test_a_pir_program_with_a_bfloat16_value_is_refused_at_minimize(no_bf16):
                 staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=2).minimize(loss)
         assert str(err.value) == refusal("gpu:1", "op 'pd_op.matmul' on bfloat16 values")
         assert len(main.global_block().ops) == count
+
+
+def test_the_pir_backward_probe_runs_apart_and_tells_a_crash_from_a_step(monkeypatch):
+    """Paddle 3.3.1's PIR bfloat16 matmul backward on CPU dies by SIGSEGV (single device, no staticpipe),
+    which no handler survives: the probe trains its one step in a process of its own and reads how it ended."""
+    monkeypatch.setattr(capabilities, "_PIR_BACKWARD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    crashed = capabilities._probe_pir_backward()
+    assert (crashed.ok, crashed.backward_crashes) == (False, True)
+    assert crashed.reason == "one training step of a bfloat16 matmul on PIR ended the process (signal 11)"
+    monkeypatch.setattr(capabilities, "_PIR_BACKWARD", "print('a step')")
+    assert capabilities._probe_pir_backward() == capabilities.Bf16Support(True)
+
+
+@pytest.mark.skipif(PADDLE_MAJOR < 3, reason="PIR is Paddle 3's program IR")
+def test_a_pir_auto_cast_program_whose_backward_crashes_here_is_refused_at_minimize(monkeypatch):
+    """Paddle 3's own PIR AMP route (``paddle.amp.auto_cast``) in a pipeline, where the probe found the
+    backward crashing: refused before the program changes, naming the device, the op and what to do."""
+    reason = "one training step of a bfloat16 matmul on PIR ended the process (signal 11)"
+    monkeypatch.setattr(capabilities, "_probed", {True: capabilities.Bf16Support(False, reason, True)})
+    with paddle.pir_utils.IrGuard():
+        main, startup = paddle.static.Program(), paddle.static.Program()
+        with paddle.static.program_guard(main, startup):
+            x = paddle.static.data("x", [-1, 8], "float32")
+            with paddle.amp.auto_cast(level="O1", dtype="bfloat16"):
+                with staticpipe.device_guard("gpu:0"):
+                    h = paddle.nn.functional.relu(paddle.nn.Linear(8, 8)(x))
+                with staticpipe.device_guard("gpu:1"):
+                    out = paddle.nn.Linear(8, 2)(h)
+            with staticpipe.device_guard("gpu:1"):
+                loss = paddle.mean(paddle.cast(out, "float32"))
+            count = len(main.global_block().ops)
+            with pytest.raises(ValueError) as err:
+                staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=2).minimize(loss)
+        assert str(err.value) == (
+            "device 'gpu:0' runs on the CPU, which cannot train op 'pd_op.matmul' on bfloat16 values here: Paddle's "
+            f"PIR bfloat16 matmul backward kills the process on this CPU ({capabilities.cpu_model()}), probe: "
+            f"{reason!r}. Train in float32, build the program in the legacy IR for bfloat16 on CPU "
+            "(staticpipe.use_legacy_ir() before building, or STATICPIPE_LEGACY_IR=1; README \"PIR programs\"), or "
+            "put this stage on a GPU")
+        assert len(main.global_block().ops) == count
