@@ -47,7 +47,7 @@ def check_supported(held: frozenset) -> None:
 
 def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None = None,
                 reads: tuple[str, ...] = (), drop: dict[int, set[str]] | None = None,
-                drop_out: dict[int, set[str]] | None = None) -> Any:
+                drop_out: dict[int, set[str]] | None = None, private_state: tuple[int, ...] = ()) -> Any:
     """A clone of ``view.program`` running only ``view.ops[i]`` for ``i`` in ``ops`` (in program order).
 
     Values those ops (and ``reads``, which the caller reads in ops it appends) read that they do not
@@ -55,7 +55,9 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
     variable of the stage's scope read instead (a gradient's ``@MERGED`` buffer). ``drop``: sum op ->
     inputs it leaves out here (a shared parameter's partial gradients from other stages, which arrive once
     per step). ``drop_out``: backward op -> the gradients it does not compute here (the other half of a split
-    backward computes them): the op is rebuilt by Paddle's vjp of its forward op for the others only."""
+    backward computes them): the op is rebuilt by Paddle's vjp of its forward op for the others only.
+    ``private_state``: ops whose in-place update of persistable state (batch norm's running statistics)
+    updates a copy here instead: their recomputation in a backward must not update the state again."""
     from paddle import pir
 
     persistent, drop, drop_out = persistent or {}, drop or {}, drop_out or {}
@@ -83,6 +85,8 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
             values[persistent.get(name, name)] = data
     clones = list(block.ops)[len(inputs):]
     with paddle.static.program_guard(program):
+        for i in private_state:
+            _update_a_copy(view.ops[i], mapping)
         rebuilt = {view.ops[i].output_arg_names[0]: _sum_without(view.ops[i], names, mapping)
                    for i, names in drop.items() if i in ops and names}
         for i, names in drop_out.items():
@@ -102,6 +106,17 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
     setattr(program, VALUES, values)
     setattr(program, FEEDS, tuple(n for n, v in values.items() if is_pir_data(v)))
     return program
+
+
+def _update_a_copy(op: Any, mapping: Any) -> None:
+    """Give the clone of in-place op ``op`` a copy of each persistable value it reads (and so updates),
+    made just before it: the state itself is left as it was."""
+    clone = mapping.look_up(next(r for r in op.op.results() if r.initialized())).get_defining_op()
+    for k in range(clone.num_operands()):
+        source = clone.operand_source(k)
+        if source.persistable:
+            paddle.pir.set_insertion_point(clone)
+            clone.operand(k).set_source(paddle.assign(source))
 
 
 def _sum_without(op: Any, names: set[str], mapping: Any) -> Any:
@@ -156,14 +171,10 @@ def per_microbatch_section(view: PirView, sec: Any, routes: list[Route], merge: 
     sum op -> its inputs computed elsewhere (as ``cut_program``'s); ``recompute``: the stage's forward ops,
     run again first (activation checkpointing: the forward kept only its inputs)."""
     ref, ops = sec.ref, sec.ops
-    for i in recompute:
-        op = view.ops[i]
-        state = [n for n, v in zip(op.input_arg_names, op.op.operands_source()) if v.persistable]
-        if op.op.name().endswith("_") and state:  # an in-place update of state (batch norm's running statistics)
-            raise ValueError(f"recompute on stage {ref.stage}: {op_label(i, op)} updates '{state[0]}' in place, which "
-                             "a second run would update again; PIR programs recompute such stages not yet "
-                             "(build in legacy-IR mode, or leave this stage out of recompute)")
-    program = cut_program(view, list(recompute) + list(ops), drop=drop, drop_out=drop_out)
+    # a recomputed in-place update of state (batch norm's running statistics) updates a copy: once per step
+    updating = tuple(i for i in recompute if view.ops[i].op.name().endswith("_")
+                     and any(v.persistable for v in view.ops[i].op.operands_source()))
+    program = cut_program(view, list(recompute) + list(ops), drop=drop, drop_out=drop_out, private_state=updating)
     values = getattr(program, VALUES)
     if ref.kind in (BACKWARD, WEIGHT):
         with paddle.static.program_guard(program):
