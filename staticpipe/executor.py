@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 
 from ._paddle import core, framework, np, paddle
 from .ir import free_scope, is_pir_program, var_names
+from .pir_ir import test_mode_forward
 from .placement import SPLIT_POINTS, parse_device, place_of
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
@@ -187,7 +188,8 @@ class Executor:
         """Run the pipelined forward of ``program`` over one epoch of ``dataset`` (or the started loader
         feeding it), in steps of ``num_microbatches`` loader batches, updating nothing (Paddle's
         ``infer_from_dataset``). A training program runs as its ``clone(for_test=True)`` on the same
-        stages; an evaluation program (no backward) as it is. Arguments as ``train_from_dataset``."""
+        stages (a PIR program, which has none: its forward ops cloned with ``is_test`` set); an evaluation
+        program (no backward) as it is. Arguments as ``train_from_dataset``."""
         program = self._program(program, scope, thread)
         options = Options(fetch_list, fetch_info, print_period, debug, fetch_handler)
         return infer_from_dataset(self, program, self._forward_twin(program), dataset, options)
@@ -209,13 +211,12 @@ class Executor:
             return program
         if plan.schedule == FORWARD_ONLY:
             return program
-        if is_pir_program(program):
-            raise ValueError("infer_from_dataset of a PIR training program: Paddle 3's PIR programs have no "
-                             "clone(for_test=True) to take its forward from; build the forward network again as a "
-                             "program of its own (same parameter names, layers in eval mode) and pass that")
         if plan not in self._forward_twins:
-            twin = program.clone(for_test=True)
-            setattr(twin, SPLIT_POINTS, set(getattr(program, SPLIT_POINTS, ())))  # forward op indices are kept
+            if is_pir_program(program):
+                twin = test_mode_forward(program)
+            else:
+                twin = program.clone(for_test=True)
+                setattr(twin, SPLIT_POINTS, set(getattr(program, SPLIT_POINTS, ())))  # forward op indices are kept
             attach_plan(build_forward_plan(twin, plan.num_microbatches, len(plan.stages) > len(plan.ranks),
                                            dp_degree=plan.dp_degree, replica_batches=plan.replica_batches), twin)
             self._forward_twins[plan] = twin

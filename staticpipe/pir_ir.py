@@ -33,7 +33,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ._paddle import OP_DEVICE, ROLE_BACKWARD, ROLE_OPTIMIZE, paddle
+from ._paddle import OP_DEVICE, ROLE_BACKWARD, ROLE_LRSCHED, ROLE_OPTIMIZE, paddle
 
 FREE_OPS = ("builtin.parameter", "pd_op.data", "pd_op.full", "pd_op.full_int_array", "builtin.constant")
 _HOOK = "_complete_grad_op_chunk_id"  # where ir_backward completes backward ops' attributes
@@ -170,3 +170,23 @@ def value_name(program: Any, value: Any, what: str) -> str:
         return view.name_of(value)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
+
+
+def test_mode_forward(program: Any) -> Any:
+    """A clone of the differentiated PIR ``program`` with its forward ops only, each ``is_test`` attribute set
+    (dropout passes values through, batch norm reads its running statistics and leaves them): what
+    ``clone(for_test=True)`` gives a legacy program, which PIR programs lack. Device tags and split points
+    come along; the values keep their places in the program, and so the names a view gives them."""
+    mapping = paddle.pir.IrMapping()
+    twin = program.clone(mapping)
+    for op in reversed(list(twin.global_block().ops)):
+        if op.op_role in (ROLE_BACKWARD, ROLE_OPTIMIZE, ROLE_LRSCHED) and op.name() not in FREE_OPS:
+            op.erase()  # an optimizer's parameters and data stay (unread): every op keeps its index, and name
+        elif op.has_attr("is_test"):
+            op.set_bool_attr("is_test", True)
+    anchors = getattr(program, SPLIT_POINTS, None)
+    if anchors is not None:
+        setattr(twin, SPLIT_POINTS, [None if a is None else mapping.look_up(a.result(0)).get_defining_op()
+                                     for a in anchors])
+    return twin
+

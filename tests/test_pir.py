@@ -509,8 +509,7 @@ def test_export_inference_gives_the_trained_network(tmp_path):
 
 def test_evaluate_and_infer_a_forward_program_on_the_trained_stages():
     """PIR has no ``clone(for_test=True)``: the evaluation program is the forward network built again (same
-    names, same guards). Its pipelined evaluation equals one device's on the trained state, and
-    ``infer_from_dataset`` runs it over a loader; a training program's inference says what to do instead."""
+    names, same guards). Its pipelined evaluation equals one device's on the trained state."""
     data = batches(2)
     main, startup = paddle.static.Program(), paddle.static.Program()
 
@@ -550,9 +549,39 @@ def test_evaluate_and_infer_a_forward_program_on_the_trained_stages():
         expected = np.mean([plain.run(evaluation, feed=b, fetch_list=[eval_loss])[0] for b in data])
     np.testing.assert_allclose(mean_loss, expected, rtol=1e-6)
     assert staticpipe.plan_of(evaluation).schedule == "forward-only"
-    with pytest.raises(ValueError, match="infer_from_dataset of a PIR training program: Paddle 3's PIR programs have "
-                                         r"no clone\(for_test=True\)"):
-        exe.infer_from_dataset(main)
+    exe.close()
+
+
+def test_infer_from_dataset_of_a_training_program_runs_its_forward_in_test_mode():
+    """PIR programs have no ``clone(for_test=True)``: the training program's forward ops are cloned with
+    ``is_test`` set. Batch norm then reads its running statistics and leaves them; each step's loss is
+    what Paddle's own inference program of the training program (``normalize_program``) computes on one
+    device from the trained state, on the step's loader batches (each one micro-batch)."""
+    rng = np.random.default_rng(5)
+    micro = [(rng.standard_normal((BATCH // 2, 2, 6, 6)).astype("float32"),
+              rng.integers(0, CLASSES, (BATCH // 2, 1)).astype("int64")) for _ in range(4)]
+    main, startup, loss, _ = build(convnet(), adam, dict(num_microbatches=2))
+    data_ops = {op.attrs()["name"]: op for op in main.global_block().ops if op.name() == "pd_op.data"}
+    feeds = [data_ops["x"].result(0), data_ops["y"].result(0)]
+    exe = staticpipe.Executor(paddle.CPUPlace())
+    exe.run(startup)
+    exe.run(main, feed={"x": np.concatenate([m[0] for m in micro[:2]]),
+                        "y": np.concatenate([m[1] for m in micro[:2]])}, fetch_list=[loss])
+    trained = exe.state_dict(main)
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=feeds, capacity=4, iterable=False)
+    loader.set_batch_generator(lambda: iter(micro))
+    loader.start()
+    history = exe.infer_from_dataset(main, loader, fetch_list=[loss])
+    assert all(np.array_equal(v, trained[k]) for k, v in exe.state_dict(main).items())  # nothing updated
+    inference = paddle.static.normalize_program(main, feeds, [loss])
+    scope, plain = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    for name, value in trained.items():
+        scope.var(name).get_tensor().set(value, paddle.CPUPlace())
+    with paddle.static.scope_guard(scope):
+        expected = [plain.run(inference, feed={"x": np.concatenate([micro[k][0], micro[k + 1][0]]),
+                                               "y": np.concatenate([micro[k][1], micro[k + 1][1]])})[0]
+                    for k in (0, 2)]
+    np.testing.assert_allclose([float(np.asarray(h[0])) for h in history], [float(e) for e in expected], rtol=1e-5)
     exe.close()
 
 
