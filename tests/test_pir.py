@@ -466,7 +466,6 @@ def test_recompute_of_an_in_place_state_update_updates_it_once():
 
 @pytest.mark.parametrize("call, what", [
     (lambda main, exe, tmp: staticpipe.save_plan(main, str(tmp / "plan")), "save_plan"),
-    (lambda main, exe, tmp: staticpipe.auto_place(main, 2, policy="uniform"), "auto_place"),
     (lambda main, exe, tmp: staticpipe.profile(main, batches(1)[0]), "staticpipe.profile"),
 ])
 def test_what_does_not_take_pir_programs_yet_says_so(call, what, tmp_path):
@@ -635,3 +634,45 @@ def test_models_resnet_trains_over_two_stages_as_one_device():
     assert_same(ref_losses, losses, [np.array(scope.find_var(n).get_tensor()) for n in names],
                 [state[n] for n in names], tol=1e-5)
     runner.close()
+
+
+@pytest.mark.parametrize("policy, devices, schedule", [("uniform", ["gpu:0", "gpu:1"], "1F1B"),
+                                                       ("params", ["gpu:0", "gpu:1", "gpu:1", "gpu:0"], "ZB-V")])
+def test_auto_place_tags_a_pir_program_that_trains_as_one_device(policy, devices, schedule):
+    """auto_place reads a PIR program through its view and writes the devices (and, where two stages share
+    a device, a split point) on its operations; the pipeline then trains as one device."""
+    from models import build_gpt
+    net, ref = build_gpt(num_stages=1, guarded=False, n_layers=4), build_gpt(num_stages=1, guarded=False, n_layers=4)
+    placement = staticpipe.auto_place(net.main, devices=devices, policy=policy, schedule=schedule, num_microbatches=4)
+    assert [s.device for s in placement.stages] == devices
+    with paddle.static.program_guard(net.main, net.startup):
+        opt = staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=4, schedule=schedule)
+        opt.minimize(net.loss)
+    assert opt.plan.devices == devices
+    with paddle.static.program_guard(ref.main, ref.startup):
+        paddle.optimizer.SGD(0.1).minimize(ref.loss)
+    scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
+    exe.run(ref.startup, scope=scope)
+    names = params(ref.main)
+    runner = staticpipe.Executor(paddle.CPUPlace())
+    runner.run(net.startup)
+    runner.set_state_dict(net.main, {n: np.array(scope.find_var(n).get_tensor()) for n in names})
+    ref_losses, losses = [], []
+    for step in range(2):
+        batch = ref.random_batch(8, seed=step)
+        ref_losses.append(float(exe.run(ref.main, feed=batch, fetch_list=[ref.loss], scope=scope)[0]))
+        losses.append(float(runner.run(net.main, feed=batch, fetch_list=[net.loss])[0]))
+    state = runner.state_dict(net.main)
+    assert_same(ref_losses, losses, [np.array(scope.find_var(n).get_tensor()) for n in names],
+                [state[n] for n in names], tol=1e-5)
+    runner.close()
+
+
+def test_auto_place_of_a_pir_program_by_measured_times_says_what_to_do():
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup):
+        mlp(["gpu:0"])()
+    with pytest.raises(ValueError, match=r"^auto_place of a PIR program takes no profile= or feed= yet \(staticpipe"
+                                         r"\.profile reads legacy programs only\): use policy 'uniform' or 'params'"):
+        staticpipe.auto_place(main, 2, feed=batches(1)[0])
+

@@ -15,15 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .._paddle import OP_DEVICE, framework, np
+from .._paddle import framework, np
 from ..io import DataLoader
-from ..ir import refuse_pir
-from ..placement import SPLIT_POINTS, op_device, parse_device
+from ..pir_view import PirView
+from ..placement import op_device, parse_device
 from ..rewrite.stages import op_label, role_of
 from ..schedule import Action, Kind, check_microbatches, get_kind, make_schedule, simulate
 from ..schedule.simulate import peak_inflight
 from . import policies
 from .layers import Layer, forward_ops, group_layers, marker_starts
+from .tags import readable, split_starts, tag
 from .costs import Profile
 from .profile import profile as run_profile, refuse_measuring_in_launched_job, static_bytes
 from ..memory_model import parse_bytes
@@ -152,11 +153,11 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
     program's ``staticpipe.split_point()`` markers are cuts too. Without ``num_stages`` and ``devices``,
     the split points alone set the stages.
     """
-    refuse_pir(program, "auto_place")
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
     kind = get_kind(schedule)
     check_microbatches(num_microbatches)
+    tagged, program = program, readable(program, profile, feed, split_points)
     block = program.global_block()
     ops = block.ops
     fwd = forward_ops(program)
@@ -165,7 +166,8 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
         if i not in forward:
             raise ValueError(f"auto_place runs before minimize, but {op_label(i, op)} is a {role_of(op, i)} op; "
                              "call auto_place on the forward program, then PipelineOptimizer.minimize")
-    starts = _split_starts(block, fwd, split_points or ())
+    points = [program.name_of(p) for p in split_points or ()] if isinstance(program, PirView) else split_points or ()
+    starts = split_starts(block, fwd, points)
     layers = group_layers(program, starts)
     layer_of = {i: layer.index for layer in layers for i in layer.ops}
     required = sorted({layer_of[i] for i in starts | marker_starts(program, fwd)})
@@ -212,31 +214,12 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
         else:
             bounds = policies.memory(costs, param_matrix, [r.saved_bytes for r in rows], p, memory_limit,
                                      inflight, optimizer_state_factor, constraints)
-    _tag(program, layers, bounds, devices)
+    tag(tagged, program, layers, bounds, devices)
     stages = [_report(k, devices[k], layers[a:b], rows[a:b] if rows is not None else None, param_bytes,
                       inflight[k], optimizer_state_factor, crossing, b)
               for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     return Placement(policy, stages, layers, bounds, kind.name, num_microbatches,
                      profile.batch_size if profile is not None else None)
-
-
-def _split_starts(block: framework.Block, fwd: list[int], split_points: Sequence[Any]) -> set[int]:
-    """The forward op after the producer of each split-point variable: it must start a stage."""
-    starts = set()
-    for point in split_points:
-        name = getattr(point, "name", point)
-        if not isinstance(name, str) or not block.has_var(name):
-            raise ValueError(f"split point {name!r} is not a variable of the program")
-        writers = [i for i in fwd if name in block.ops[i].output_arg_names]
-        if not writers:
-            raise ValueError(f"split point '{name}' is produced by no op (a data variable or a parameter); "
-                             "name an op's output to cut after that op")
-        later = [i for i in fwd if i > writers[-1]]
-        if not later:
-            raise ValueError(f"split point '{name}' is written by the last op, "
-                             f"{op_label(writers[-1], block.ops[writers[-1]])}: no op is left for a later stage")
-        starts.add(later[0])
-    return starts
 
 
 def _devices(num_stages: int | None, devices: Sequence[str] | None, needed: int) -> list[str]:
@@ -321,20 +304,6 @@ def _param_matrix(layers: list[Layer], nbytes: dict[str, int]) -> np.ndarray:
         for a, b in zip(at, at[1:]):  # a run holding both a and b counted p twice
             matrix -= nbytes[p] * ((idx[:, None] <= a) & (idx[None, :] > b))
     return matrix
-
-
-def _tag(program: framework.Program, layers: list[Layer], bounds: list[int], devices: list[str]) -> None:
-    """Write each stage's device into its ops; where two consecutive stages share a device (ZB-V's V),
-    mark a ``split_point`` so the rewrite still separates them."""
-    ops = program.global_block().ops
-    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        for layer in layers[a:b]:
-            for i in layer.ops:
-                ops[i]._set_attr(OP_DEVICE, devices[k])
-        if k and devices[k] == devices[k - 1]:
-            points = getattr(program, SPLIT_POINTS, set())
-            points.add(layers[a].ops[0])
-            setattr(program, SPLIT_POINTS, points)
 
 
 def _report(k: int, device: str, layers: list[Layer], rows: list | None, param_bytes: dict[str, int],
