@@ -616,17 +616,21 @@ def test_models_resnet_trains_over_two_stages_as_one_device():
         with paddle.static.program_guard(net.main, net.startup):
             opt = paddle.optimizer.Momentum(0.05, momentum=0.9)
             (staticpipe.PipelineOptimizer(opt, num_microbatches=1) if pipelined else opt).minimize(net.loss)
-    ref, pipe = nets[False], nets[True]
+    assert params(nets[False].main) == params(nets[True].main)
+    assert_models_train_alike(nets[False], nets[True])
+
+
+def assert_models_train_alike(ref, pipe, steps=2):
+    """Two steps of a minimized ``models/`` network on one device (``ref``) and pipelined (``pipe``) from the
+    same initial values (found by name), on the same batches: losses and final values alike."""
     names = params(ref.main)
-    assert names == params(pipe.main)
     scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
     exe.run(ref.startup, scope=scope)
-    initial = {n: np.array(scope.find_var(n).get_tensor()) for n in names}
     runner = staticpipe.Executor(paddle.CPUPlace())
     runner.run(pipe.startup)
-    runner.set_state_dict(pipe.main, initial)
+    runner.set_state_dict(pipe.main, {n: np.array(scope.find_var(n).get_tensor()) for n in names})
     ref_losses, losses = [], []
-    for step in range(2):
+    for step in range(steps):
         batch = ref.random_batch(8, seed=step)
         ref_losses.append(float(exe.run(ref.main, feed=batch, fetch_list=[ref.loss], scope=scope)[0]))
         losses.append(float(runner.run(pipe.main, feed=batch, fetch_list=[pipe.loss])[0]))
@@ -651,21 +655,7 @@ def test_auto_place_tags_a_pir_program_that_trains_as_one_device(policy, devices
     assert opt.plan.devices == devices
     with paddle.static.program_guard(ref.main, ref.startup):
         paddle.optimizer.SGD(0.1).minimize(ref.loss)
-    scope, exe = paddle.static.Scope(), paddle.static.Executor(paddle.CPUPlace())
-    exe.run(ref.startup, scope=scope)
-    names = params(ref.main)
-    runner = staticpipe.Executor(paddle.CPUPlace())
-    runner.run(net.startup)
-    runner.set_state_dict(net.main, {n: np.array(scope.find_var(n).get_tensor()) for n in names})
-    ref_losses, losses = [], []
-    for step in range(2):
-        batch = ref.random_batch(8, seed=step)
-        ref_losses.append(float(exe.run(ref.main, feed=batch, fetch_list=[ref.loss], scope=scope)[0]))
-        losses.append(float(runner.run(net.main, feed=batch, fetch_list=[net.loss])[0]))
-    state = runner.state_dict(net.main)
-    assert_same(ref_losses, losses, [np.array(scope.find_var(n).get_tensor()) for n in names],
-                [state[n] for n in names], tol=1e-5)
-    runner.close()
+    assert_models_train_alike(ref, net)
 
 
 def test_auto_place_of_a_pir_program_by_measured_times_says_what_to_do():
