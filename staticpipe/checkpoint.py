@@ -24,15 +24,24 @@ import copy
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import pickled_arrays
 from ._paddle import framework, np
 from .atomic import atomic_directory, recover_directory
 from .ir import np_dtype, program_view
 
-if TYPE_CHECKING:
-    from .executor import Executor
+
+
+class StateHolder(Protocol):
+    """What saving and loading a checkpoint use of an executor (``staticpipe.Executor`` is one): the step
+    count, every stage's state gathered in one place, and state given back to the stages."""
+
+    global_step: int
+
+    def gathered_state_dict(self, program: framework.Program) -> dict[str, np.ndarray] | None: ...
+
+    def set_state_dict(self, program: framework.Program, values: dict[str, Any], strict: bool = True) -> None: ...
 
 PARAMS, OPT, META = "model.pdparams", "model.pdopt", "meta.json"
 FORMAT = 2  # 2: sha256 and size of every file in meta.json
@@ -49,7 +58,7 @@ def _state_vars(program: framework.Program) -> tuple[dict[str, tuple], dict[str,
     return params, others
 
 
-def save(program: framework.Program, path: str, exe: "Executor", step: int | None = None) -> bool:
+def save(program: framework.Program, path: str, exe: StateHolder, step: int | None = None) -> bool:
     """Write every parameter and optimizer state of ``program`` (gathered from all stages) to the directory
     ``path``, with the global step (default: the executor's) and the learning-rate scheduler's state,
     replacing a checkpoint already there. An existing ``path`` that is a file, a symbolic link, or a
@@ -76,7 +85,7 @@ def save(program: framework.Program, path: str, exe: "Executor", step: int | Non
     return True
 
 
-def load(program: framework.Program, path: str, exe: "Executor") -> dict[str, Any]:
+def load(program: framework.Program, path: str, exe: StateHolder) -> dict[str, Any]:
     """Load a checkpoint written by ``save`` (or by ``paddle.static.save`` into a directory layout) into
     every stage of ``program``; returns its meta data (``step``, ``lr_scheduler``, ``files``).
 

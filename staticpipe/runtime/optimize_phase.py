@@ -19,24 +19,39 @@ wait for another rank.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generator
+from typing import Any, Generator, Protocol
 
 from .._paddle import core, np
 from ..ir import tensor_of
-from ..plan import OPTIMIZE, SUM, Exchange
+from ..plan import OPTIMIZE, SUM, Exchange, Run
 from ..schedule.actions import OPT
 from .channel import Channel
 from .errors import failing_as
+from .jobs import StepJob
 
-if TYPE_CHECKING:
-    from .worker import DeviceWorker, StepJob
+
+class DeviceWorker(Protocol):
+    """What the optimize phase uses of a device's worker (``worker.DeviceWorker``, which calls it): its
+    device, place and root scope, a scope to borrow, and running a section's run in a scope."""
+
+    device: str
+    place: core.Place
+    scope: core._Scope
+
+    def borrow_scope(self) -> core._Scope: ...
+
+    def return_scope(self, scope: core._Scope, leftovers: tuple[str, ...]) -> None: ...
+
+    def execute(self, run: Run, scope: core._Scope, fetch: tuple[str, ...] = ()) -> None: ...
+
+    def put(self, scope: core._Scope, name: str, value: Any) -> None: ...
 
 UPDATE_FAILED = ("the step's forwards and backwards all succeeded, then this update failed: other stages may "
                  "have applied theirs, so the stages may now disagree; reload a checkpoint to go on")
 Waiting = tuple[Exchange, "np.ndarray | None"]  # what a paused stage waits for, and its part of a sum
 
 
-def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ...]) -> None:
+def run_optimizers(worker: DeviceWorker, job: StepJob, stages: tuple[int, ...]) -> None:
     """Run the optimize sections of this rank's ``stages`` together (module docstring)."""
     plan = job.plan
     rank = plan.stages[stages[0]].rank
@@ -75,7 +90,7 @@ def run_optimizers(worker: "DeviceWorker", job: "StepJob", stages: tuple[int, ..
         resume(receiver, job.channel.recv(("opt", ex.index), ex.src))
 
 
-def _walk(worker: "DeviceWorker", job: "StepJob", stage: int, sent: set[int]) -> Generator[Waiting, Any, None]:
+def _walk(worker: DeviceWorker, job: StepJob, stage: int, sent: set[int]) -> Generator[Waiting, Any, None]:
     """Stage ``stage``'s optimize section, run by run. Sends go out at once (and into ``sent``); at a
     receive it yields (the exchange, None) and is resumed with the message, at a sum it yields (the
     exchange, its part) and is resumed with the total.
@@ -111,7 +126,7 @@ def _walk(worker: "DeviceWorker", job: "StepJob", stage: int, sent: set[int]) ->
         worker.return_scope(scope, job.program.optimize_leftovers[stage])
 
 
-def _average_replicas(worker: "DeviceWorker", channel: Channel, buffers: tuple[str, ...]) -> None:
+def _average_replicas(worker: DeviceWorker, channel: Channel, buffers: tuple[str, ...]) -> None:
     """Data parallelism: replace each accumulated gradient by its mean over the replicas, so that every
     replica applies the gradient of the whole global batch. One all-reduce per dtype, over the
     buffers flattened together: a message per buffer would cost a round trip each."""

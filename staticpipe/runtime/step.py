@@ -24,7 +24,7 @@ from .devices import Devices
 from . import state
 from .errors import NonFiniteError, PipelineAborted, StageError
 from .nan_inf import NAN_INF_GATE, scales_loss
-from .worker import RankProgram, StepJob, StepResult
+from .jobs import RankProgram, StepJob, StepResult
 
 
 class StepRunner:

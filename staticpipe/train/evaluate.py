@@ -1,18 +1,22 @@
 """``evaluate``: an evaluation program run over a loader as a forward-only pipeline on the trained stages."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from .._paddle import framework, np
 from ..ir import as_float, program_view, var_names
 from ..plan import attach_plan, plan_of
 from ..rewrite import build_forward_plan
 
-if TYPE_CHECKING:
-    from ..executor import Executor
 
 
-def evaluate(exe: "Executor", program: framework.Program, dataset: Any, fetch_list: Sequence,
+class Runner(Protocol):
+    """What an evaluation uses of an executor (``staticpipe.Executor`` is one): running a program on a batch."""
+
+    def run(self, program: framework.Program, feed: dict | None = None, fetch_list: Sequence | None = None) -> list: ...
+
+
+def evaluate(exe: Runner, program: framework.Program, dataset: Any, fetch_list: Sequence,
              num_microbatches: int = 1, like: framework.Program | None = None) -> list[np.ndarray | None]:
     """See ``Executor.evaluate``."""
     if plan_of(program) is None:  # rewritten once; the plan stays on the program

@@ -6,7 +6,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from .. import checkpoint
 from .._paddle import framework, np
@@ -16,8 +16,18 @@ from ..runtime.errors import non_finite_hint
 from .feeding import loader_for, steps
 from .progress import Progress
 
-if TYPE_CHECKING:
-    from ..executor import Executor
+
+
+class Stepper(checkpoint.StateHolder, Protocol):
+    """What a training epoch uses of an executor (``staticpipe.Executor`` is one): a step of a plan's
+    micro-batches, tracing and its last timeline, and, for checkpoints, its state."""
+
+    trace: bool
+
+    def step(self, program: framework.Program, microbatches: list[dict], fetch_list: Sequence | None = None,
+             return_merged: bool = True) -> list: ...
+
+    def timeline(self, program: framework.Program) -> Any: ...
 
 
 @dataclass
@@ -52,14 +62,14 @@ class Options:
                              f"got {type(handler).__name__}")
 
 
-def train_from_dataset(exe: "Executor", program: framework.Program, dataset: Any, options: Options) -> list[list]:
+def train_from_dataset(exe: Stepper, program: framework.Program, dataset: Any, options: Options) -> list[list]:
     """See ``Executor.train_from_dataset``."""
     plan = require_plan(program, "train_from_dataset")
     options.check(program)
     return _epoch(exe, program, program, plan, loader_for(program, plan, dataset, "train_from_dataset"), options)
 
 
-def infer_from_dataset(exe: "Executor", program: framework.Program, forward: framework.Program, dataset: Any,
+def infer_from_dataset(exe: Stepper, program: framework.Program, forward: framework.Program, dataset: Any,
                        options: Options) -> list[list]:
     """See ``Executor.infer_from_dataset``; ``forward`` is ``program``'s forward-only pipelined twin."""
     options.check(program)
@@ -67,7 +77,7 @@ def infer_from_dataset(exe: "Executor", program: framework.Program, forward: fra
     return _epoch(exe, program, forward, plan, loader_for(program, plan, dataset, "infer_from_dataset"), options)
 
 
-def _epoch(exe: "Executor", program: framework.Program, runs: framework.Program, plan: Plan, loader: Any,
+def _epoch(exe: Stepper, program: framework.Program, runs: framework.Program, plan: Plan, loader: Any,
            options: Options) -> list[list]:
     """One epoch of ``loader`` as steps of ``runs`` (``program`` itself, or its forward-only twin)."""
     names = var_names(options.fetch_list, program)
@@ -151,11 +161,11 @@ class _Handler:
         self.handler.handler({k: None if v is None else np.asarray(v) for k, v in zip(self.keys, values)})
 
 
-def _due(exe: "Executor", options: Options) -> bool:
+def _due(exe: Stepper, options: Options) -> bool:
     return bool(options.checkpoint_every) and exe.global_step % options.checkpoint_every == 0
 
 
-def _checkpoint(exe: "Executor", program: framework.Program, directory: str, keep_last: int) -> None:
+def _checkpoint(exe: Stepper, program: framework.Program, directory: str, keep_last: int) -> None:
     """``staticpipe.save`` as ``<directory>/step-<global step>``, then delete all but the last ``keep_last``."""
     if not checkpoint.save(program, os.path.join(directory, f"step-{exe.global_step:08d}"), exe, exe.global_step):
         return

@@ -1,0 +1,79 @@
+"""What one step hands each rank's worker: its action list worked out once per plan (``RankProgram``), the
+step's data, fetches and channel (``StepJob``), and what the worker hands back (``StepResult``).
+
+A module of its own so that the step machinery and everything a worker calls (the optimize phase) read
+these without importing the worker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .._paddle import core, np
+from ..ir import declared
+from ..plan import BACKWARD, FORWARD, OPTIMIZE, WEIGHT, Plan
+from ..schedule import Action, Kind
+from .channel import Channel
+
+
+@dataclass(frozen=True, eq=False)
+class RankProgram:
+    """What a rank's action list needs besides the actions, worked out once per plan: after which action
+    each micro-batch's scope can go, which OPT actions run together (the first of them waits for every
+    rank: ``optimize_phase``), and what a micro-batch leaves in a stage's scope."""
+
+    actions: tuple[Action, ...]
+    last_use: dict[int, tuple[tuple[int, int], ...]]  # action position -> (stage, micro-batch) scopes to release
+    optimizer_groups: dict[int, tuple[int, ...]]  # first stage of a run of OPT actions -> its stages
+    leftovers: dict[int, tuple[str, ...]]  # stage -> names a micro-batch leaves in its scope
+    optimize_leftovers: dict[int, tuple[str, ...]]  # stage -> names its optimize section leaves in its scope
+    first_optimizer: int | None = None  # the first stage of the rank's first run of OPT actions
+
+    @classmethod
+    def of(cls, plan: Plan, rank: int) -> "RankProgram":
+        actions = tuple(plan.actions[rank])
+        last = {(h.stage, h.microbatch): i for i, a in enumerate(actions) for h in a.halves()
+                if h.microbatch is not None}
+        released: dict[int, tuple[tuple[int, int], ...]] = {}
+        for key, i in last.items():
+            released[i] = released.get(i, ()) + (key,)
+        groups: dict[int, tuple[int, ...]] = {}
+        run: list[int] = []
+        for a in actions + (None,):
+            if a is not None and a.kind is Kind.OPT:
+                run.append(a.stage)
+            elif run:
+                groups[run[0]] = tuple(run)
+                run = []
+        leftovers = {}
+        for stage in {a.stage for a in actions}:
+            sections = plan.stages[stage].sections
+            names = set(sections[FORWARD].feeds)
+            for kind in (FORWARD, BACKWARD, WEIGHT):
+                names.update(sections[kind].keep if kind in sections else ())
+            names.update(v.name for r in plan.routes if r.dst.stage == stage for v in r.vars)
+            leftovers[stage] = tuple(sorted(names))
+        optimize_leftovers = {a.stage: tuple(sorted({name for p in plan.stages[a.stage].sections[OPTIMIZE].programs
+                                                     for name, persistable in declared(p) if not persistable}))
+                              for a in actions if a.kind is Kind.OPT}
+        first = next((a.stage for a in actions if a.kind is Kind.OPT), None)
+        return cls(actions, released, groups, leftovers, optimize_leftovers, first)
+
+
+@dataclass
+class StepJob:
+    plan: Plan
+    program: RankProgram
+    feeds: dict[int, list[dict[str, np.ndarray]]]  # stage -> per micro-batch data
+    fetch: dict[tuple[int, str], tuple[str, ...]]  # (stage, section kind) -> names to fetch per micro-batch
+    channel: Channel
+    places: dict[int, core.Place]  # stage -> place (generic) of the receiver of its sends
+    micro_batch_size: int | None  # None: any (evaluation)
+    shapes: list[tuple]  # micro-batch -> the shapes of its data (what the kept activations' sizes follow)
+    record: Callable[[Action, float, float, float], None] | None = None  # (action, start, end, thread CPU s)
+    check_forwards: bool = False  # check each forward's outputs for NaN/Inf here (errors.check_finite_values)
+
+
+@dataclass
+class StepResult:
+    fetched: dict[str, list[np.ndarray]] = field(default_factory=dict)
