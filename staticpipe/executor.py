@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 from ._paddle import core, framework, np, paddle
 from .ir import free_scope, is_pir_program, var_names
 from .pir_ir import test_mode_forward
-from .placement import SPLIT_POINTS, parse_device, place_of
+from .placement import SPLIT_POINTS, default_device, launched_world, parse_device, place_of, process_gpu
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
 from .runtime import state
@@ -325,7 +325,7 @@ class Executor:
 def _executor_place(place: Any) -> core.Place:
     """The place of unsplit programs from what ``paddle.static.Executor`` accepts."""
     if place is None:
-        return place_of("gpu:0")
+        return place_of(default_device(launched_world(), process_gpu()), launched=launched_world() is not None)
     if isinstance(place, str):
         return place_of(str(parse_device(place)))
     if isinstance(place, (core.Place, core.CPUPlace, core.CUDAPlace, core.CUDAPinnedPlace)):

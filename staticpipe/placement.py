@@ -155,6 +155,33 @@ def launched_world() -> tuple[int, int] | None:
     return (int(os.environ.get("PADDLE_TRAINER_ID", "0")), size) if size > 1 else None
 
 
+def default_device(world: tuple[int, int] | None, selected: int | None) -> str:
+    """The device an ``Executor`` without a place runs unsplit programs and gathers state on: in a launched
+    job, the GPU the launcher selected for this rank (Paddle's launched executors run there too), so that
+    ranks do not all crowd GPU 0; else "gpu:0" (the CPU without CUDA)."""
+    return f"gpu:{selected}" if world is not None and selected is not None else "gpu:0"
+
+
+def transfer_device(backend: str, selected: int | None) -> str:
+    """Where a launched rank's messages travel from: under NCCL its own GPU (the launcher's selection),
+    whatever its stages' devices -- NCCL moves device memory only, so a "cpu" stage's values go through
+    the rank's GPU, as Paddle's GPU pipeline sends from the rank's device; under gloo host memory ("cpu")."""
+    if str(backend).upper() != "NCCL":
+        return "cpu"
+    if selected is None:
+        raise ValueError("an NCCL job's rank has no GPU of its own: its launcher sets FLAGS_selected_gpus "
+                         "(paddle.distributed.launch, or staticpipe.launch on a CUDA machine)")
+    return f"gpu:{selected}"
+
+
+def connects_lazily(backend: str) -> bool:
+    """Whether a new process group's communicator is only made at its first operation (NCCL; gloo connects
+    in ``new_group``). Such groups are warmed up right after they are made, in the thread that made them
+    and in the same order on every rank: made lazily, the first send from a sender thread would create it
+    there, racing the other threads through Paddle's unlocked map of communicators."""
+    return str(backend).upper() == "NCCL"
+
+
 def place_of(device: str, launched: bool = False) -> core.Place:
     """The Paddle place of ``device``; raises ``ValueError`` for a gpu index CUDA does not have.
 

@@ -7,6 +7,7 @@ import pytest
 
 import staticpipe
 from staticpipe import Device, device_guard, parse_device
+from staticpipe import placement
 from staticpipe._paddle import paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,3 +144,27 @@ def test_staticpipe_and_paddle_guards_nest(x):
         with paddle.static.device_guard("cpu"):
             assert _new_op_device(x) == "cpu"
         assert _new_op_device(x) == "gpu:2"
+
+
+@pytest.mark.parametrize("world, selected, device", [
+    (None, None, "gpu:0"),  # one process: GPU 0 (the CPU without CUDA)
+    (None, 3, "gpu:0"),  # a selection without a launched job changes nothing
+    ((1, 4), 1, "gpu:1"),  # a launched rank: the GPU its launcher selected, not everyone's GPU 0
+    ((1, 4), None, "gpu:0"),  # launched on a CPU machine: nothing selected
+])
+def test_the_default_place_of_a_launched_rank_is_its_own_gpu(world, selected, device):
+    assert placement.default_device(world, selected) == device
+
+
+def test_messages_travel_from_the_ranks_gpu_under_nccl_and_from_host_memory_under_gloo():
+    """A "cpu" stage in an NCCL job too sends from its rank's GPU (NCCL moves device memory only)."""
+    assert placement.transfer_device("NCCL", 2) == "gpu:2"
+    assert placement.transfer_device("nccl", 0) == "gpu:0"
+    assert placement.transfer_device("GLOO", 2) == "cpu"
+    with pytest.raises(ValueError, match=r"^an NCCL job's rank has no GPU of its own: its launcher sets "
+                                         r"FLAGS_selected_gpus"):
+        placement.transfer_device("NCCL", None)
+
+
+def test_only_lazily_connecting_groups_are_warmed_up_where_they_are_made():
+    assert placement.connects_lazily("NCCL") and not placement.connects_lazily("GLOO")

@@ -105,8 +105,7 @@ class Devices:
         channel = self._channels.get(layout)
         if channel is None:
             pipeline = len(plan.ranks)
-            channel = self._channels[layout] = DistributedChannel(
-                [s.rank for s in plan.stages], pipeline, self.place_of(plan.ranks[self.world[0] % pipeline]))
+            channel = self._channels[layout] = DistributedChannel([s.rank for s in plan.stages], pipeline)
         channel.connect(plan.rank_pairs())  # a no-op once the layout's groups cover this plan's messages
         return channel
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from .._paddle import core, paddle
 from .channel import Channel, Message, PipelineAborted
-from ..placement import cuda_device_count, process_gpu
+from ..placement import connects_lazily, cuda_device_count, parse_device, process_gpu, transfer_device
 
 STORE_TIMEOUT_S = 900  # how long a group's rendezvous waits for its members
 _GROUPS_MADE = itertools.count()  # same sequence on every rank: groups are made in the same order
@@ -53,10 +53,11 @@ class DistributedChannel(Channel):
     NCCL (a GPU job), or from host memory with gloo.
     """
 
-    def __init__(self, stage_ranks: list[int], pipeline_size: int, device_place=None):
+    def __init__(self, stage_ranks: list[int], pipeline_size: int):
         import paddle.distributed as dist
         self._dist = dist
-        self._place = device_place if dist.get_backend() == "NCCL" else paddle.CPUPlace()
+        device = transfer_device(dist.get_backend(), process_gpu())
+        self._place = paddle.CPUPlace() if device == "cpu" else paddle.CUDAPlace(parse_device(device).index)
         self.rank, size = dist.get_rank(), dist.get_world_size()
         self.replicas = size // pipeline_size
         replica, pipeline_rank = divmod(self.rank, pipeline_size)
@@ -81,9 +82,12 @@ class DistributedChannel(Channel):
         thread that runs the step (the main thread), never from sender or worker threads."""
         p = self._pipeline_size
         new = sorted({(k * p + a, k * p + b) for k in range(self.replicas) for a, b in pairs} - set(self._groups))
+        lazy = connects_lazily(self._dist.get_backend())
         with self._eager():
             for a, b in new:
-                self._groups[(a, b)] = _new_group([a, b])
+                self._groups[(a, b)] = group = _new_group([a, b])
+                if lazy and self.rank in (a, b):
+                    _warm_up(self._dist, group)
         for a, b in new:
             if a == self.rank:
                 self._outboxes[b] = queue.Queue()
@@ -203,6 +207,13 @@ def init_distributed() -> None:
     gpu = process_gpu() if cuda_device_count() else None
     with paddle.base.dygraph.guard(paddle.CPUPlace() if gpu is None else paddle.CUDAPlace(gpu)):
         dist.init_parallel_env()
+
+
+def _warm_up(dist: Any, group: Any) -> None:
+    """Make ``group``'s communicator now, in this (the main) thread: a one-element all-reduce between its
+    members (``placement.connects_lazily``: under NCCL it is otherwise made by the first send, in a sender
+    thread). Every rank makes its groups in the same order, so the members meet."""
+    dist.all_reduce(paddle.zeros([1]), group=group)
 
 
 def _new_group(ranks: list[int]):
