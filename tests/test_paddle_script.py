@@ -190,13 +190,14 @@ def test_micro_batch_sizes_must_agree():
         exe.train_from_dataset(net.main, mixed)
 
 
-def test_infer_from_dataset_runs_the_forward_and_updates_nothing():
+def test_infer_from_dataset_runs_the_forward_and_updates_nothing(capsys):
     net = pipelined()
     exe = staticpipe.Executor()
     exe.run(net.startup)
     before = exe.state_dict(net.main)
     started_loader(net, samples=2 * M * MBS)
     history = exe.infer_from_dataset(net.main, fetch_list=[net.loss])
+    assert re.search(rf"^inferred 2 steps, {2 * M * MBS} samples in ", capsys.readouterr().err, re.M)
     ref = build_mlp(num_stages=2, guarded=False)
     test = ref.main.clone(for_test=True)
     plain, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()

@@ -11,7 +11,7 @@ from typing import Any, Protocol, Sequence
 from .. import checkpoint
 from .._paddle import framework, np
 from ..ir import var_names
-from ..plan import Plan, require_plan
+from ..plan import FORWARD_ONLY, Plan, require_plan
 from ..runtime.errors import non_finite_hint
 from .feeding import loader_for, steps
 from .progress import Progress
@@ -90,7 +90,7 @@ def _epoch(exe: Stepper, program: framework.Program, runs: framework.Program, pl
     m, period = plan.num_microbatches, options.print_period
     warned_non_finite = False
     try:
-        with Progress(labels, period) as progress:
+        with Progress(labels, period, done="inferred" if plan.schedule == FORWARD_ONLY else "trained") as progress:
             for micro in steps(loader.epoch(), m, progress.note):
                 if not history:
                     rows = len(next(iter(micro[0].values())))

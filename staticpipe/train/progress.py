@@ -9,10 +9,10 @@ import numpy as np
 
 
 class Progress:
-    def __init__(self, labels: Sequence[str], print_period: int = 100, stream=None):
+    def __init__(self, labels: Sequence[str], print_period: int = 100, stream=None, done: str = "trained"):
         if not isinstance(print_period, int) or print_period < 1:
             raise ValueError(f"print_period must be an integer >= 1, got {print_period!r}")
-        self.labels, self.print_period = list(labels), print_period
+        self.labels, self.print_period, self.done = list(labels), print_period, done  # done: the summary's verb
         self.stream = stream if stream is not None else sys.stderr
         self.step = self.samples = 0
         self.start = time.perf_counter()
@@ -50,5 +50,5 @@ class Progress:
             self._bar.close()
         elapsed = time.perf_counter() - self.start
         if self.step:
-            print(f"trained {self.step} steps, {self.samples} samples in {elapsed:.2f} s "
+            print(f"{self.done} {self.step} steps, {self.samples} samples in {elapsed:.2f} s "
                   f"({self.samples / elapsed:.1f} samples/s)", file=self.stream, flush=True)
