@@ -225,10 +225,12 @@ class Executor:
     def evaluate(self, program: framework.Program, dataset: Any, fetch_list: Sequence,
                  num_microbatches: int = 1, like: framework.Program | None = None) -> list[np.ndarray]:
         """Run the evaluation program over one epoch of ``dataset`` as a forward-only pipeline on the
-        trained stages and return each fetched value averaged over all samples (batches weighted by
-        their size), which equals single-device evaluation of means such as loss and accuracy (None
-        in a process of a launched job that does not compute it; with data parallelism each replica
-        evaluates its slice of every batch and the means are averaged over the replicas). Each loader
+        trained stages and return each fetched value over all samples, as it reduces the batch: a mean
+        (loss, accuracy) averaged over all samples (batches weighted by their size), a sum added, a max or
+        min taken -- single-device evaluation of the whole epoch; a value that is none of these as the list
+        of its micro-batches' values (None in a process of a launched job that does not compute it; with
+        data parallelism each replica evaluates its slice of every batch and the replicas' values are
+        combined the same way). Each loader
         batch is one evaluation step of ``num_microbatches`` micro-batches; a last, smaller batch is
         evaluated too.
 

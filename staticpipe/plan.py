@@ -239,6 +239,12 @@ class Plan:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def reduction(self, name: str) -> str:
+        """How fetched value ``name`` (without the batch as dim 0) puts micro-batches, replicas and batches
+        together: the loss by ``loss_reduction``, others by ``reductions`` ("mean", "sum", "max", "min" or
+        "each"); a value found in neither does not depend on the batch, so their mean is it."""
+        return self.loss_reduction if name == self.loss else self.reductions.get(name, "mean")
+
     @property
     def devices(self) -> list[str]:
         return [s.device for s in self.stages]

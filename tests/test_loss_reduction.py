@@ -48,9 +48,14 @@ def two_stages(head, pipelined: bool, optimizer, **pipeline):
         with guard("gpu:1"):
             y = paddle.static.data("y", [-1, 1], "int64")
             made = head(y, paddle.static.nn.fc(h, 3), main)
+        if not paddle.framework.in_pir_mode():
+            made_for_test[id(main)] = main.clone(for_test=True)  # taken before minimize, for evaluate
         opt = staticpipe.PipelineOptimizer(optimizer, num_microbatches=M, **pipeline) if pipelined else optimizer
         opt.minimize(made["loss"] if isinstance(made, dict) else made)
     return main, startup, made
+
+
+made_for_test: dict[int, object] = {}  # id(main) -> its evaluation clone
 
 
 def batches(steps=3):
@@ -233,3 +238,36 @@ def test_fetched_metrics_combine_by_what_they_are(ir):
     assert isinstance(got[-1], list) and len(got[-1]) == M
     for value, part in zip(got[-1], np.split(ce, M)):  # the square of each micro-batch's mean
         np.testing.assert_allclose(value, np.mean(part) ** 2, rtol=1e-5)
+
+
+def test_evaluate_combines_an_epochs_metrics_by_what_they_are():
+    """``Executor.evaluate`` over an epoch of batches of two sizes: sums added, means weighted by batch size,
+    maxima and minima taken, as one device computes them on the whole epoch at once."""
+    initial, _, _ = metrics_reference()
+    main, startup, mine = metrics_network(True)
+    evaluation = made_for_test[id(main)]
+    pipe = staticpipe.Executor()
+    pipe.run(startup)
+    pipe.set_state_dict(main, {p.name: v for p, v in zip(main.global_block().all_parameters(), initial)})
+    rng = np.random.default_rng(7)
+    epoch = [{"x": rng.standard_normal((rows, 6)).astype(np.float32), "y": rng.integers(0, 3, (rows, 1))}
+             for rows in (16, 16, 8)]
+
+    class Epoch:
+        def epoch(self):
+            return iter(epoch)
+
+    names = ["correct", "accuracy", "top", "low"]
+    got = pipe.evaluate(evaluation, Epoch(), [evaluation.global_block().var(mine[n].name) for n in names],
+                        num_microbatches=M, like=main)
+    ref_main, ref_startup, ref = metrics_network(False)
+    exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
+    exe.run(ref_startup, scope=scope)
+    for p, value in zip(ref_main.global_block().all_parameters(), initial):
+        scope.var(p.name).get_tensor().set(value, paddle.CPUPlace())
+    whole = {k: np.concatenate([b[k] for b in epoch]) for k in ("x", "y")}
+    want = exe.run(made_for_test[id(ref_main)], feed=whole, fetch_list=[ref[n].name for n in names], scope=scope)
+    for name, value, expected in zip(names, got, want):
+        np.testing.assert_allclose(value, expected, rtol=1e-5, err_msg=name)
+    pipe.close()
+

@@ -212,7 +212,7 @@ class StepRunner:
         mean, their sum for a sum, their max or min. Batched values, and values handed out per micro-batch,
         stay this replica's."""
         batched, dtype = self._declared(plan, name)
-        how = reduction(plan, name)
+        how = plan.reduction(name)
         if plan.dp_degree == 1 or batched or how == "each":
             return value
         channel, numbers = self.devices.channel_for(plan), np.ascontiguousarray(as_float(value, dtype))
@@ -230,7 +230,7 @@ class StepRunner:
         batched, dtype = self._declared(plan, name)
         if batched:
             return np.concatenate(values, axis=0)
-        how = reduction(plan, name)
+        how = plan.reduction(name)
         if how == "each" and each:
             return [np.array(v) for v in values]
         numbers = np.stack([as_float(v, dtype) for v in values])
@@ -276,13 +276,6 @@ def _size_mismatch(plan: Plan, size: int, expected: int, compiled: bool) -> str:
 
 def _rows(batch: dict[str, np.ndarray]) -> int:
     return len(next(iter(batch.values())))
-
-
-def reduction(plan: Plan, name: str) -> str:
-    """How fetched per-micro-batch value ``name`` (not batched) puts the micro-batches together: the loss by
-    the plan's loss reduction, others by ``plan.reductions`` (a value not found there does not depend on the
-    batch: every micro-batch gives it alike, and their mean is it)."""
-    return plan.loss_reduction if name == plan.loss else plan.reductions.get(name, "mean")
 
 
 def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:

@@ -28,13 +28,25 @@ def evaluate(exe: Runner, program: framework.Program, dataset: Any, fetch_list: 
                     program)
     names = var_names(fetch_list, program)
     dtypes = [program_view(program).global_block()._var_recursive(n).dtype for n in names]
+    kinds = [plan_of(program).reduction(n) for n in names]
     totals, samples = None, 0
     for batch in dataset.epoch():
         n = len(next(iter(batch.values())))
-        weighted = [None if v is None else as_float(v, dtype).astype(np.float64) * n
-                    for v, dtype in zip(exe.run(program, feed=batch, fetch_list=names), dtypes)]
-        totals = weighted if totals is None else [None if t is None else t + w for t, w in zip(totals, weighted)]
+        values = [None if v is None else v if k == "each" else as_float(v, dtype).astype(np.float64) * (
+                  n if k == "mean" else 1) for v, dtype, k in zip(exe.run(program, feed=batch, fetch_list=names),
+                                                                  dtypes, kinds)]
+        totals = values if totals is None else [None if t is None else _combined(t, v, k)
+                                                for t, v, k in zip(totals, values, kinds)]
         samples += n
     if totals is None:
         raise ValueError("the evaluation data set gave no batch")
-    return [None if t is None else t / samples for t in totals]  # None: computed by another process
+    return [None if t is None else t / samples if k == "mean" else t  # None: computed by another process
+            for t, k in zip(totals, kinds)]
+
+
+def _combined(total: Any, value: Any, kind: str) -> Any:
+    """The epoch's value so far with one more batch's, as the value reduces the batch (``Plan.reduction``):
+    means weighted by their batches' sizes, sums added, maxima and minima taken, per-micro-batch lists joined."""
+    if kind == "each":
+        return list(total) + list(value)
+    return {"max": np.maximum, "min": np.minimum}.get(kind, np.add)(total, value)
