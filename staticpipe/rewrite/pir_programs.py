@@ -109,8 +109,9 @@ def cut_program(view: PirView, ops: list[int], persistent: dict[str, str] | None
 
 
 def _update_a_copy(op: Any, mapping: Any) -> None:
-    """Give the clone of in-place op ``op`` a copy of each persistable value it reads (and so updates),
-    made just before it: the state itself is left as it was."""
+    """Give the clone of in-place op ``op`` a copy, made just before it, of each persistable value it reads:
+    the state it updates (batch norm's running statistics) is left as it was; the parameters it only reads
+    (its scale and shift) are copied too, alike in value."""
     clone = mapping.look_up(next(r for r in op.op.results() if r.initialized())).get_defining_op()
     for k in range(clone.num_operands()):
         source = clone.operand_source(k)

@@ -38,7 +38,6 @@ Facts of Paddle 3.3 that shape it (``../shared/notes/pir-facts.md``, re-checked 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -49,7 +48,6 @@ from ..pir_ir import FEEDS, HANDED_OVER, pir_thread, section_values
 from ..plan import Run
 
 _FIRST_RUNS = threading.Lock()
-_BUILDS = itertools.count()  # numbers the interpreters built in this process (their fetch variables' names)
 SERIAL_RUN = "FLAGS_new_executor_serial_run"
 TRACE_RUN = "FLAGS_enable_pir_in_executor_trace_run"
 EAGER_DELETION = "FLAGS_eager_delete_tensor_gb"  # read when an interpreter first runs: its garbage collector
@@ -145,15 +143,10 @@ class PirRuns:
         if cache is None or not hasattr(exe, "_pir_feed_data") or not hasattr(cache, "_get_pir_program_and_executor"):
             return lambda feeds: exe.run(program, feed=feeds, fetch_list=fetch_list, scope=self.scope,
                                          return_numpy=False)  # another Paddle: its own path, every run
-        # fetch ops write persistable variables of the scope, "<name>0", "<name>1", ...: with Paddle's one
-        # name ("fetch") every interpreter of this device wrote the same ones, and an interpreter built for
-        # another fetch list (a loss, then logits) found them holding another shape and type (a crash, or
-        # "Unsupported setting dims" on every later step). Each interpreter gets names of its own.
         # Built past Paddle's cache (its uncached builder): the cache would hand back the interpreter it built
         # for this fetch list before, which another fetch list's interpreter has since invalidated (below).
         compiled, interpreter, data_ops = cache._get_pir_program_and_executor(cache._CachedData(
-            program, dict(feed), fetch_list, "feed", f"staticpipe_fetch_{next(_BUILDS)}_", self.place, self.scope,
-            exe.plan))
+            program, dict(feed), fetch_list, "feed", "fetch", self.place, self.scope, exe.plan))
 
         exe._pir_feed_data(compiled, dict(feed), self.scope, data_ops)  # checks the feeds' shapes once
 

@@ -93,11 +93,6 @@ def with_weights(slots: Slots) -> Slots:
     return out
 
 
-def rank_peak(slots: Slots) -> int:
-    """Most chunk activations the rank holds at once (F run, W not), its W's in free slots if not placed."""
-    return max(_live_counts(with_weights(slots)))
-
-
 def _ready(kind: Kind, stage: int, mb: int, at: dict[tuple, int], num_stages: int) -> int:
     """The first slot the action may take: after its input, and after the same kind of action of the
     previous micro-batch on its stage (micro-batches keep their order, so the W's stay in the order of
