@@ -3,6 +3,8 @@
 ``BUILDERS`` maps a short name to a builder taking ``num_stages``, ``guarded`` and ``seed``, so
 benchmarks and tests can loop over the zoo. Guarded builds declare their stage devices in
 ``Network.devices``: "gpu:0", "gpu:1", ... except for "dlrm", whose stage 0 is "cpu".
+``models.seed_resnet`` is apart: the seed job's network (``examples/train_resnet50_seed.py``), built
+with its loader and optimizer by its own ``build(args)``.
 """
 from functools import partial
 

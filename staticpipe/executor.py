@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 from ._paddle import core, framework, np, paddle
 from .ir import free_scope, is_pir_program, var_names
 from .pir_ir import test_mode_forward
-from .placement import SPLIT_POINTS, default_device, launched_world, parse_device, place_of, process_gpu
+from .placement import clone_with_split_points, default_device, launched_world, parse_device, place_of, process_gpu
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
 from .runtime import state
@@ -215,8 +215,7 @@ class Executor:
             if is_pir_program(program):
                 twin = test_mode_forward(program)
             else:
-                twin = program.clone(for_test=True)
-                setattr(twin, SPLIT_POINTS, set(getattr(program, SPLIT_POINTS, ())))  # forward op indices are kept
+                twin = clone_with_split_points(program, for_test=True)
             attach_plan(build_forward_plan(twin, plan.num_microbatches, len(plan.stages) > len(plan.ranks),
                                            dp_degree=plan.dp_degree, replica_batches=plan.replica_batches), twin)
             self._forward_twins[plan] = twin

@@ -116,6 +116,14 @@ def split_point(program: "paddle.static.Program | None" = None) -> None:
     setattr(program, SPLIT_POINTS, points)
 
 
+def clone_with_split_points(program: "paddle.static.Program", for_test: bool = False) -> "paddle.static.Program":
+    """``program.clone(for_test)`` (legacy IR) keeping its split points, which Paddle's clone does not copy
+    (they are an attribute of the Python object); the forward op indices they name are kept by a clone."""
+    twin = program.clone(for_test=for_test)
+    setattr(twin, SPLIT_POINTS, set(getattr(program, SPLIT_POINTS, ())))
+    return twin
+
+
 @contextlib.contextmanager
 def split_points_kept(program: "paddle.static.Program") -> Iterator[None]:
     """Keep ``program``'s split points where they were while a pass inserts ops into it.

@@ -13,6 +13,7 @@ import staticpipe
 from models import build_mlp
 from staticpipe._paddle import paddle
 from staticpipe.memory_model import human_bytes
+from staticpipe.partition import recompute_subsets
 
 DEVICES = ["gpu:0", "gpu:1"]
 M = 8
@@ -75,6 +76,22 @@ def test_below_every_plan_without_recompute_it_recomputes(profile):
     n, report = plan(profile, schedules=["1F1B"], memory_limit=cap)
     assert 0 in report.chosen.recompute and report.chosen.fits
     assert staticpipe.plan_of(n.main).stages[0].recompute
+
+
+def test_beyond_six_stages_the_subsets_priced_still_give_the_choice_every_subset_gives(profile, monkeypatch):
+    """With the exhaustive limit at 0, this 2-stage job is priced as a 16-stage one would be: no stage, the
+    fewest that fit, every stage; the choice under a cap that forces stage 0 to recompute is unchanged."""
+    _, free = plan(profile, schedules=["1F1B", "F-then-B"])
+    plain = [c for c in free.candidates if not c.recompute][0]
+    cap = {d.device: d.total for d in plain.memory}
+    cap["gpu:0"] -= 1
+    _, every = plan(profile, schedules=["1F1B", "F-then-B"], memory_limit=cap)
+    monkeypatch.setattr(recompute_subsets, "EXHAUSTIVE_UP_TO", 0)
+    _, picked = plan(profile, schedules=["1F1B", "F-then-B"], memory_limit=cap)
+    assert picked.chosen == every.chosen and picked.chosen.recompute == (0,)
+    assert all(c in every.candidates for c in picked.candidates) and len(picked.candidates) < len(every.candidates)
+    assert sorted(c.recompute for c in picked.candidates if (c.schedule, c.policy) == ("1F1B", "time")) == [
+        (), (0,), (0, 1)]
 
 
 def test_a_recompute_subset_is_priced_as_the_plan_built_with_it(profile):

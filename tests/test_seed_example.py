@@ -1,5 +1,6 @@
 """The seed job, examples/train_resnet50_seed.py: Paddle fluid's two-GPU ResNet-50 pipeline example as a
-user runs it (here on CPU devices, small sizes), and the placement its guards ask for."""
+user runs it (here on CPU devices, small sizes), and the placement its guards ask for (its network:
+models/seed_resnet.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import staticpipe
+from models import seed_resnet
 from pipeline_util import dense_layers
 from staticpipe._paddle import paddle
 
@@ -52,11 +54,10 @@ def test_the_seed_job_trains_num_steps_of_microbatch_num_loader_batches():
 
 
 def test_guards_put_the_stem_and_two_levels_on_gpu0_and_the_rest_and_the_loss_on_gpu1():
-    seed = load_seed()
-    args = seed.parse_args(SMALL)
+    args = load_seed().parse_args(SMALL)
     main, startup = paddle.static.Program(), paddle.static.Program()
     with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
-        model = seed.build(args)
+        model = seed_resnet.build(args)
     plan = staticpipe.plan_of(main)
     assert plan is model.opt.plan
     assert plan.devices == ["gpu:0", "gpu:1"] and plan.num_microbatches == 2
@@ -64,8 +65,8 @@ def test_guards_put_the_stem_and_two_levels_on_gpu0_and_the_rest_and_the_loss_on
     block = main.global_block()
     convs = [op for op in block.ops if op.type == "conv2d"]  # forward convolutions, in network order
     # stem, then per bottleneck 3 convolutions, plus a projection shortcut in each level's first block
-    on_gpu0 = 1 + sum(3 * n + 1 for n in seed.DEPTH[50][:seed.GPU0_LEVELS])
-    assert len(convs) == 1 + sum(3 * n + 1 for n in seed.DEPTH[50]) == 53
+    on_gpu0 = 1 + sum(3 * n + 1 for n in seed_resnet.DEPTH[50][:seed_resnet.GPU0_LEVELS])
+    assert len(convs) == 1 + sum(3 * n + 1 for n in seed_resnet.DEPTH[50]) == 53
     assert [op.attr("op_device") for op in convs] == ["gpu:0"] * on_gpu0 + ["gpu:1"] * (53 - on_gpu0)
     width = args.width
     # the last convolution on gpu:0 closes level 1 (x4 expansion of 2 * width), the first on gpu:1 opens level 2

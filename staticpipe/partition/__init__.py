@@ -18,7 +18,8 @@ from .layers import Layer, group_layers
 from .policies import Constraints
 from .costs import LayerRow, OpRow, Profile
 from .profile import profile
-from .planner import Candidate, PlanReport, auto_plan
+from .plan_report import Candidate, PlanReport
+from .planner import auto_plan
 
 __all__ = ["auto_plan", "PlanReport", "Candidate", "auto_place", "Placement", "StageReport", "POLICIES", "profile", "Profile", "OpRow", "LayerRow",
            "Layer", "group_layers", "Constraints"]

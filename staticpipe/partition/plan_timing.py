@@ -23,7 +23,7 @@ from typing import Sequence
 
 from .._paddle import framework, np
 from ..executor import Executor
-from ..plan import Plan
+from ..plan import Plan, attach_plan
 from ..schedule import Action
 
 
@@ -50,6 +50,7 @@ def _time(main: framework.Program, startup: framework.Program, plan: Plan, batch
           steps: int, walls: list[float], costs: list[dict[Action, float]]) -> None:
     """One pass over one plan: a fresh executor, one untimed step (it builds the runtime's prepared
     programs), then ``steps`` traced ones."""
+    attach_plan(plan, main, startup)  # the plans of one partition share their programs
     exe = Executor(trace=True)
     try:
         exe.run(startup)

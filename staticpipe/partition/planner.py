@@ -15,10 +15,12 @@ How, running at most the plans it builds:
   scheduler's switches) is one figure, simulated / measured step of the timed plans (median), which
   every prediction is divided by;
 - memory: the plan's own memory model (``memory_model.py``), exact to what the runtime holds between a
-  forward and its backward. Building a plan costs a rewrite, so for each partition two are built (no
-  stage recomputed, every stage recomputed); a stage's figures (bytes and action times) depend only on its
-  own ops and whether it recomputes, so every subset of recomputed stages is priced from those two and
-  the schedule's in-flight counts.
+  forward and its backward. Building a plan costs Paddle's minimize and a rewrite, so each partition is
+  minimized once and planned twice (no stage recomputed, every stage recomputed), and every schedule
+  that runs the same sections is lowered onto those plans (``rewrite.reschedule``); a stage's figures
+  (bytes and action times) depend only on its own ops and whether it recomputes, so any subset of
+  recomputed stages is priced from those two and the schedule's in-flight counts: every subset up to six
+  stages, beyond that the ones ``recompute_subsets.py`` shows can win.
 
 Partitions: per layout (one stage per device; two per device for the interleaved and V schedules), the
 time-balanced cut of ``auto_place`` and, under a cap and with one stage per device, its memory-capped cut.
@@ -27,7 +29,6 @@ schedule's registry order); the report lists the runners-up and why each lost.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 from dataclasses import dataclass, field, replace
@@ -38,74 +39,17 @@ from ..io import DataLoader
 from ..ir import refuse_pir
 from ..memory_model import DeviceMemory, MemoryModel, StageMemory, human_bytes, parse_bytes
 from ..optimizer import PipelineOptimizer
-from ..placement import place_of
+from ..placement import clone_with_split_points, place_of
 from ..plan import Plan
-from ..rewrite.memory import inflight_vectors
-from ..schedule import KINDS, Action, make_schedule, simulate
-from ..schedule.simulate import peak_inflight
+from ..rewrite import plan_with, reschedule
+from ..schedule import KINDS, Action, Kind, make_schedule, simulate
 from .auto_place import Placement, auto_place
 from .costs import Profile
+from . import recompute_subsets as subsets
+from .plan_report import Candidate, PlanReport
 from .plan_timing import time_plans
 from .profile import first_batch, refuse_measuring_in_launched_job
 from .profile import profile as run_profile
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One combination the planner priced."""
-
-    schedule: str
-    policy: str  # the partition: auto_place's "time" or "memory" cut
-    devices: tuple[str, ...]  # the device of each stage
-    bounds: tuple[int, ...]  # layer index where each stage starts (and the end)
-    recompute: tuple[int, ...]  # stages whose activations are recomputed
-    step_s: float  # predicted seconds per step
-    memory: tuple[DeviceMemory, ...]  # predicted peak per device
-    over: Mapping[str, int]  # device -> bytes above its cap (empty: fits)
-
-    @property
-    def fits(self) -> bool:
-        return not self.over
-
-    def describe(self) -> str:
-        rc = ",".join(map(str, self.recompute)) or "-"
-        peaks = ", ".join(f"{d.device} {human_bytes(d.total)}" for d in self.memory)
-        return f"{self.schedule:<10} {self.policy:<6} recompute {rc:<8} {self.step_s * 1e3:9.2f} ms  peak {peaks}"
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """What ``auto_plan`` chose (and applied), what it predicted, and why the others lost."""
-
-    chosen: Candidate
-    candidates: tuple[Candidate, ...]  # every combination priced, fastest first
-    skipped: Mapping[str, str]  # schedule -> why it could not run this program
-    memory_limit: Mapping[str, float | None]
-    micro_batch_size: int
-    efficiency: float | None  # simulated / measured step of the timed plans (None: times from the op profile)
-    timed_plans: int  # plans built and run to time their actions
-
-    def why_not(self, candidate: Candidate) -> str:
-        if candidate == self.chosen:
-            return "chosen"
-        if not candidate.fits:
-            return "over the cap: " + ", ".join(f"{d} by {human_bytes(b)}" for d, b in candidate.over.items())
-        slower = candidate.step_s / self.chosen.step_s - 1
-        return f"{slower:+.1%} slower" if slower > 0 else "as fast; more recompute or later in the registry"
-
-    def __str__(self) -> str:
-        caps = ", ".join(f"{d} {'unlimited' if c is None else human_bytes(c)}" for d, c in self.memory_limit.items())
-        best: dict[tuple[str, str], Candidate] = {}
-        for c in self.candidates:  # fastest first: the first of each schedule and cut is its best
-            best.setdefault((c.schedule, c.policy), c)
-        timing = ("times from the op profile alone (no plan timed)" if self.efficiency is None else
-                  f"times from {self.timed_plans} timed plans, simulated / measured step {self.efficiency:.2f}")
-        lines = [f"auto_plan: micro-batch {self.micro_batch_size}, caps {caps}; {len(self.candidates)} plans priced; "
-                 + timing,
-                 f"  chosen: {self.chosen.describe()}", "  the best of each other schedule and cut:"]
-        lines += [f"    {c.describe()}  -- {self.why_not(c)}" for c in best.values() if c != self.chosen]
-        lines += [f"  not applicable: {name}: {why}" for name, why in self.skipped.items()]
-        return "\n".join(lines)
 
 
 def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any], devices: Sequence[str],
@@ -146,30 +90,32 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
         if any(n != mbs for n in rows.values()):
             raise ValueError(f"feed has batches of {rows}, but the profile was taken at micro-batch {mbs}: give "
                              "one micro-batch of the size the profile was taken at")
-    builds, skipped = [], {}
+    builds, skipped, placements, partitions = [], {}, {}, {}
     for name in schedules or list(KINDS):
         kind = KINDS[name] if name in KINDS else None
         if kind is None:
             raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(KINDS)}")
         chunks = kind.chunks or 2
         try:
-            make_schedule(kind.name, len(devices), num_microbatches, chunks)
+            compute = make_schedule(kind.name, len(devices), num_microbatches, chunks)
         except ValueError as exc:
             skipped[kind.name] = str(exc)
             continue
         layout = [devices[r] for r in kind.layout(len(devices), chunks)]
         for policy in ("time",) + (("memory",) if any(c is not None for c in caps.values()) and chunks == 1 else ()):
-            built = _built(program, loss, optimizer, startup, profile, layout, policy, kind, num_microbatches,
-                           bool(recompute) and not kind.split_backward, caps)
-            if built is not None:
-                builds.append((kind, built))
+            placed = _placed(program, profile, layout, policy, kind, num_microbatches, caps, placements)
+            if placed is None:
+                continue
+            rc = bool(recompute) and not kind.split_backward
+            builds.append((kind, _built(placed, loss, optimizer, startup, profile.batch_size, kind, compute,
+                                        num_microbatches, rc, caps, partitions, batch is not None and time_steps > 0)))
     if not builds:
         raise ValueError("auto_plan: no schedule can run this program: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     if batch is not None and time_steps:
         builds = _timed(builds, batch, time_steps)
     efficiency = _efficiency([b for _, b in builds])
     candidates = [c for kind, b in builds
-                  for c in _priced(kind, b, num_microbatches, mbs, caps, len(devices), recompute == "whole", efficiency)]
+                  for c in _priced(kind, b, mbs, caps, recompute == "whole", efficiency)]
     order = list(KINDS)
     candidates.sort(key=lambda c: (not c.fits, c.step_s if c.fits else sum(c.over.values()), len(c.recompute),
                                    order.index(c.schedule)))
@@ -200,31 +146,71 @@ class _Built:
     actions = property(lambda self: self.programs[False][2].actions, doc="the lowered actions, messages included")
 
 
-def _built(program, loss, optimizer, startup, profile, layout, policy, kind, m, recompute, caps) -> _Built | None:
-    """The partition ``policy`` gives for ``layout``, with its plans built and their actions priced from
-    the op profile (None: the policy cannot cut it)."""
-    stages: dict[bool, tuple[StageMemory, ...]] = {}
-    costs: dict[bool, Mapping[Action, float]] = {}
-    programs = {}
-    placement = None
-    for rc in (False, True) if recompute else (False,):
-        main = program.clone()
-        start = (startup or paddle.static.default_startup_program()).clone()
+def _placed(program, profile, layout, policy, kind, m, caps, placements: dict) -> tuple | None:
+    """(placement, the program tagged by it) of ``policy``'s cut over ``layout``; None: it cannot cut it.
+    Made once per layout and policy (``placements``): the time cut does not depend on the schedule; the
+    memory cut does, through its in-flight counts."""
+    where = (tuple(layout), policy, kind.name if policy == "memory" else None)
+    if where not in placements:
+        tagged = program.clone()
         try:
-            placement = auto_place(main, devices=layout, policy=policy, profile=profile, schedule=kind.name,
-                                   num_microbatches=m, memory_limit=_cut_cap(caps))
+            placements[where] = (auto_place(tagged, devices=list(layout), policy=policy, profile=profile,
+                                            schedule=kind.name, num_microbatches=m, memory_limit=_cut_cap(caps)),
+                                 tagged)
         except ValueError:
-            return None
-        with paddle.static.program_guard(main, start), paddle.utils.unique_name.guard():
-            opt = PipelineOptimizer(optimizer(), num_microbatches=m, schedule=kind.name, recompute=rc,
-                                    micro_batch_size=profile.batch_size)
-            opt.minimize(main.global_block().var(loss if isinstance(loss, str) else loss.name))
-        plan = opt.plan
-        stages[rc] = plan.memory.stages
+            placements[where] = None
+    return placements[where]
+
+
+def _built(placed, loss, optimizer, startup, mbs: int, kind, compute, m: int, recompute: bool, caps,
+           partitions: dict, timed: bool) -> _Built:
+    """The plans of ``kind`` over the ``placed`` partition, their actions priced from the op profile.
+
+    Shared through ``partitions``: Paddle's minimize once per partition (the backward and optimizer ops are
+    the same for every schedule and recompute choice), its sections planned once per backward split and
+    recompute choice, and every other schedule that runs those sections lowered onto them
+    (``rewrite.reschedule``). The every-stage-recomputed plan is built when it can matter: up to
+    ``EXHAUSTIVE_UP_TO`` stages, when plans are timed, or when the plan without recompute misses a cap."""
+    placement, tagged = placed
+    layout = tuple(s.device for s in placement.stages)
+    base = (layout, tuple(placement.bounds))
+    if base not in partitions:
+        partitions[base] = _minimized(clone_with_split_points(tagged), loss, optimizer, startup, mbs, kind,
+                                      m)
+    main, start, loss_name, options, plans = partitions[base]
+    programs = {}
+    for rc in (False, True) if recompute else (False,):
+        key = (kind.split_backward, rc)
+        if key not in plans:
+            if rc and not (timed or len(layout) <= subsets.EXHAUSTIVE_UP_TO
+                           or _misses(programs[False][2], mbs, caps)):
+                break
+            plans[key] = plan_with(main, loss_name, replace(options, schedule=kind.name, recompute=rc))
+        plan = plans[key]
+        programs[rc] = (main, start, plan if plan.schedule == kind.name else reschedule(plan, kind.name, compute))
+    stages = {rc: plan.memory.stages for rc, (_, _, plan) in programs.items()}
+    costs = {}
+    for rc, (_, _, plan) in programs.items():
         price = placement.profiled_cost(kind.split_backward, rc)
         costs[rc] = {a: price(a) for acts in plan.actions.values() for a in acts}
-        programs[rc] = (main, start, plan)
-    return _Built(placement, tuple(layout), policy, stages, costs, programs)
+    return _Built(placement, layout, placement.policy, stages, costs, programs)
+
+
+def _minimized(main, loss, optimizer, startup, mbs: int, kind, m: int) -> tuple:
+    """``main`` (tagged) given Paddle's backward and optimizer ops by ``minimize``: (main, its startup, the
+    loss's name, the plan options, ``{(backward split, recomputed): plan}`` holding the plan made for
+    ``kind``)."""
+    start = (startup or paddle.static.default_startup_program()).clone()
+    with paddle.static.program_guard(main, start), paddle.utils.unique_name.guard():
+        opt = PipelineOptimizer(optimizer(), num_microbatches=m, schedule=kind.name, micro_batch_size=mbs)
+        var = main.global_block().var(loss if isinstance(loss, str) else loss.name)
+        opt.minimize(var)
+    return main, start, var.name, opt.options, {(kind.split_backward, False): opt.plan}
+
+
+def _misses(plan: Plan, mbs: int, caps) -> bool:
+    """Whether a device of ``plan`` is over its cap."""
+    return any(caps[d.device] is not None and d.total > caps[d.device] for d in plan.memory.devices(mbs))
 
 
 def _timed(builds: list, batch: dict, steps: int) -> list:
@@ -236,26 +222,29 @@ def _timed(builds: list, batch: dict, steps: int) -> list:
             for i, (kind, b) in enumerate(builds)]
 
 
-def _priced(kind, built: _Built, m: int, mbs: int, caps, num_ranks: int, whole: bool,
-            efficiency: float | None) -> list[Candidate]:
-    """Every subset of recomputed stages of ``built`` (``whole``: none or all) under schedule ``kind``."""
-    compute = make_schedule(kind.name, num_ranks, m, kind.chunks or 2)
-    vectors = inflight_vectors(compute, built.stage_ranks)
-    peaks = peak_inflight(compute)
+def _priced(kind, built: _Built, mbs: int, caps, whole: bool, efficiency: float | None) -> list[Candidate]:
+    """The subsets of recomputed stages of ``built`` that ``recompute_subsets`` picks, under schedule ``kind``."""
+    vectors = built.programs[False][2].memory.inflight  # the schedule's in-flight counts, from its plan
     p = len(built.devices)
-    subsets = (itertools.chain.from_iterable(itertools.combinations(range(p), k) for k in range(p + 1))
-               if not whole else [(), tuple(range(p))])
-    out = []
-    for recomputed in subsets:
-        if recomputed and True not in built.stages:
-            break
-        stages = tuple(replace(built.stages[s in recomputed][s], peak_inflight=peaks.get(s, 0)) for s in range(p))
-        devices = MemoryModel(stages, built.ranks, built.stage_ranks, vectors).devices(mbs)
-        over = {d.device: d.total - caps[d.device] for d in devices
+
+    def memory(recomputed: Sequence[int]) -> list[DeviceMemory]:
+        stages = tuple(built.stages[s in recomputed][s] for s in range(p))
+        return MemoryModel(stages, built.ranks, built.stage_ranks, vectors).devices(mbs)
+
+    def over(devices: Sequence[DeviceMemory]) -> dict[str, int]:
+        return {d.device: d.total - caps[d.device] for d in devices
                 if caps[d.device] is not None and d.total > caps[d.device]}
+
+    forward = {a.stage: c for a, c in built.costs[False].items() if a.kind is Kind.F}
+    priced = subsets.recompute_subsets(
+        built.stage_ranks, whole, lambda rc: {d.rank: over([d]).get(d.device, 0) for d in memory(rc)},
+        lambda s: forward.get(s, 0.0)) if True in built.stages else [()]
+    out = []
+    for recomputed in priced:
+        devices = memory(recomputed)
         step = _simulated_step(built, recomputed) / (efficiency or 1.0)
         out.append(Candidate(kind.name, built.policy, built.devices, tuple(built.placement.bounds), recomputed,
-                             step, tuple(devices), over))
+                             step, tuple(devices), over(devices)))
     return out
 
 

@@ -7,6 +7,7 @@ exchanges) → schedule action lists lowered with the routes.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Iterable
 
 from .._paddle import framework
@@ -14,7 +15,7 @@ from ..gc_paused import gc_paused
 from ..ir import is_pir_program, np_dtype
 from ..pir_ir import Gradients
 from ..pir_view import PirView
-from ..plan import FORWARD_ONLY, Plan
+from ..plan import FORWARD_ONLY, WEIGHT, Plan
 from ..schedule import Schedule, get_kind, lower, make_schedule, validate
 from ..schedule.actions import F
 from ..schedule.simulate import StageCosts
@@ -62,11 +63,9 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
             program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split, seed)
     compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
                                                               costs)
-    actions = lower(compute, routes)
     if custom is not None:  # first as written, so that an error counts the steps the user wrote
         validate(custom, num_stages, m, stage_ranks, split_backward=split, collectives=True)
-    # collectives: the OPT actions are a barrier (runtime/optimize_phase.py: a step is all or nothing)
-    validate(actions, num_stages, m, stage_ranks, split_backward=split, collectives=True)
+    actions = _lowered(compute, routes, stage_ranks, m, split)
     return Plan(stages=tuple(stages), routes=tuple(routes), num_microbatches=m,
                 schedule=kind.name if kind is not None else "custom", actions=actions, ranks=tuple(ranks),
                 data_vars=data_vars, data_specs=_data_specs(program, data_vars, m), loss=loss_name,
@@ -74,6 +73,36 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree,
                 replica_batches=options.replica_batches, outliving=tuple(outliving), loss_reduction=reduction,
                 reductions=_reductions(program, assignment), memory=memory_model(stages, actions, ranks))
+
+
+@gc_paused()
+def reschedule(plan: Plan, schedule: str, compute: Schedule | None = None) -> Plan:
+    """``plan`` run by another named ``schedule`` of the same stage layout and backward split (1F1B and
+    F-then-B; ZB-H1 and ZB-2P; the V schedules): the same sections and routes, the schedule lowered with
+    those routes, validated, and the memory model of the new action lists. What ``plan_with`` would give for
+    that schedule, without building the sections again (``auto_plan`` prices every schedule of a partition).
+    ``compute``: the schedule's action lists when already made (``make_schedule``'s, unit costs)."""
+    kind = get_kind(schedule)
+    stage_ranks = [st.rank for st in plan.stages]
+    num_stages, m = len(plan.stages), plan.num_microbatches
+    layout = kind.layout(len(plan.ranks), kind.chunks or max(1, num_stages // len(plan.ranks)))
+    split = any(WEIGHT in st.sections for st in plan.stages)
+    if layout != stage_ranks or kind.split_backward != split:
+        raise ValueError(f"schedule {kind.name} cannot run the sections of this {plan.schedule} plan: it needs "
+                         f"stages on ranks {layout} with the backward {'split' if kind.split_backward else 'whole'}, "
+                         f"the plan has them on {stage_ranks} with the backward {'split' if split else 'whole'}")
+    if compute is None:
+        compute = make_schedule(kind.name, len(plan.ranks), m, num_stages // len(plan.ranks))
+    actions = _lowered(compute, plan.routes, stage_ranks, m, split)
+    return replace(plan, schedule=kind.name, actions=actions, memory=memory_model(plan.stages, actions, plan.ranks))
+
+
+def _lowered(compute: Schedule, routes: Iterable, stage_ranks: list[int], m: int, split: bool) -> dict:
+    """``compute`` lowered with the plan's ``routes`` (messages, exchanges), validated; collectives: the OPT
+    actions are a barrier (runtime/optimize_phase.py: a step is all or nothing)."""
+    actions = lower(compute, routes)
+    validate(actions, len(stage_ranks), m, stage_ranks, split_backward=split, collectives=True)
+    return actions
 
 
 def check_layout(program: framework.Program, options: PlanOptions) -> tuple[StageAssignment, list[str], list[int]]:
@@ -150,5 +179,5 @@ def _data_specs(program: framework.Program, data_vars: dict, num_microbatches: i
     return specs
 
 
-__all__ = ["PlanOptions", "build_plan", "plan_with", "check_layout", "build_forward_plan", "assign_stages", "build_sections",
+__all__ = ["PlanOptions", "build_plan", "plan_with", "reschedule", "check_layout", "build_forward_plan", "assign_stages", "build_sections",
            "section_runs", "MERGED_SUFFIX"]

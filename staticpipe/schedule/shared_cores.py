@@ -12,6 +12,7 @@ messages are reported there, by the engine that explains them.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Callable, Collection
 
 from .actions import Action, Kind, Schedule
@@ -23,54 +24,103 @@ EPS = 1e-12
 def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Action], float], cores: float,
                    sharing: Collection[int], collectives: bool = False) -> list[Event]:
     """The (rank, action, start, end) of every action when the ranks in ``sharing`` share ``cores``
-    processors and the others have one each."""
+    processors and the others have one each.
+
+    At each moment the ranks are visited in order and every rank whose next action is ready starts it,
+    again until none starts (an action costing nothing ends at once and may ready another). A rank is
+    visited only when what it waits for may have changed (its own action ended, the action or message it
+    waits for is done, the optimizer barrier opened), in the order a visit of every rank would take, so
+    the events are those of visiting all of them: at 64 ranks most are waiting, and visiting each at every
+    event made a large schedule cost seconds."""
     if not cores > 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
+    import numpy as np  # here: the schedule package loads without numpy
+
     lowered = is_lowered(schedule)
     ranks = sorted(schedule)
+    slot = {r: i for i, r in enumerate(ranks)}
     ptr = dict.fromkeys(ranks, 0)
     first_opt = {r: first_opt_step(acts) for r, acts in schedule.items()}
-    left: dict[int, float] = {}  # rank -> work left of the action it is running
+    # the work left of the action each rank runs (inf: none), and each rank's speed: one array op per
+    # moment instead of a pass of Python over the ranks; elementwise the same float operations
+    left = np.full(len(ranks), np.inf)
+    rate = np.ones(len(ranks))
+    shares = np.array([r in sharing for r in ranks], bool)
+    running: set[int] = set()
+    busy = 0  # running ranks that share the cores
     started: dict[int, float] = {}
-    done: set[tuple] = set()  # compute actions (their keys) that have ended
-    sent: set[tuple] = set()
+    done: set = set()  # compute actions (their keys) that have ended, and messages sent (route, micro-batch)
+    waiting: dict = {}  # what a rank waits for (a key, a message, or BARRIER) -> the ranks waiting for it
+    at_barrier = sum(1 for r in ranks if ptr[r] >= first_opt[r])
     events: list[Event] = []
     now = 0.0
 
-    def ready(r: int, a: Action) -> bool:
+    def blocker(r: int, a: Action):
+        """What the rank's next action ``a`` still waits for; None when it can start."""
         if a.kind is Kind.RECV:
-            return (a.route, a.microbatch) in sent
+            return None if (a.route, a.microbatch) in done else (a.route, a.microbatch)
         if a.kind is Kind.OPT and collectives and ptr[r] == first_opt[r]:
-            return all(ptr[q] >= first_opt[q] for q in ranks)
-        return all(d in done for d in _dependencies(a, num_stages, lowered))
+            return None if at_barrier == len(ranks) else BARRIER
+        return next((d for d in _dependencies(a, num_stages, lowered) if d not in done), None)
 
-    def finish(r: int) -> None:
+    def wake(what, later: list[int], now_visit: list[int], current: int) -> None:
+        for q in waiting.pop(what, ()):
+            heapq.heappush(now_visit if q > current else later, q)
+
+    def finish(r: int, later: list[int], now_visit: list[int], current: int) -> None:
+        nonlocal at_barrier, busy
         a = schedule[r][ptr[r]]
         events.append((r, a, started.pop(r), now))
-        del left[r]
+        running.discard(r)
+        left[slot[r]] = np.inf
+        busy -= r in sharing
         if a.kind is Kind.SEND:
-            sent.add((a.route, a.microbatch))
+            done.add((a.route, a.microbatch))
+            wake((a.route, a.microbatch), later, now_visit, current)
         elif a.kind is not Kind.RECV:
-            done.update(h.key for h in a.halves())
+            for h in a.halves():
+                done.add(h.key)
+                wake(h.key, later, now_visit, current)
+        was = ptr[r] >= first_opt[r]
         ptr[r] += 1
+        if not was and ptr[r] >= first_opt[r]:
+            at_barrier += 1
+            if at_barrier == len(ranks):
+                wake(BARRIER, later, now_visit, current)
+        heapq.heappush(later, r)  # its next action: visited in the next round, as a full visit would
 
+    visit = list(ranks)  # a heap of the ranks to visit this round
     while True:
-        moved = True
-        while moved:  # start every action that can start now; those costing nothing end at once
-            moved = False
-            for r in ranks:
-                if r not in left and ptr[r] < len(schedule[r]) and ready(r, schedule[r][ptr[r]]):
-                    left[r], started[r], moved = duration(schedule[r][ptr[r]]), now, True
-                    if left[r] <= EPS:
-                        finish(r)
-        if not left:
+        while visit:  # rounds of visits at this moment, each in rank order
+            later: list[int] = []
+            while visit:
+                r = heapq.heappop(visit)
+                if visit and visit[0] == r:
+                    continue  # queued twice
+                if r in running or ptr[r] >= len(schedule[r]):
+                    continue
+                a = schedule[r][ptr[r]]
+                what = blocker(r, a)
+                if what is not None:
+                    waiting.setdefault(what, []).append(r)
+                    continue
+                work, started[r] = duration(a), now
+                running.add(r)
+                busy += r in sharing
+                left[slot[r]] = work
+                if work <= EPS:
+                    finish(r, later, visit, r)
+            visit = later
+        if not running:
             break  # every rank is done (``execute`` has already ruled out a deadlock)
-        busy = sum(1 for r in left if r in sharing)
-        rate = {r: min(1.0, cores / busy) if r in sharing else 1.0 for r in left}
-        step = min(left[r] / rate[r] for r in left)
+        if busy:
+            rate[shares] = min(1.0, cores / busy)
+        step = float((left / rate).min())
         now += step
-        for r in sorted(left):
-            left[r] -= rate[r] * step
-            if left[r] <= EPS * max(1.0, now):
-                finish(r)
+        left -= rate * step
+        for i in np.flatnonzero(left <= EPS * max(1.0, now)).tolist():  # in rank order
+            finish(ranks[i], visit, visit, ranks[i])
     return events
+
+
+BARRIER = "the first OPT of every rank"

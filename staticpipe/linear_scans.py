@@ -1,0 +1,108 @@
+"""Paddle's legacy-IR ``minimize`` with its two per-parameter scans made single passes.
+
+Why: ``paddle.base.backward.append_backward`` ends by finding, for each parameter, the op that last
+writes its gradient -- a backwards walk over the whole block per parameter -- and
+``Optimizer._update_param_device_map`` finds, for each parameter, the first op that reads it -- a forward
+walk per parameter. Both cost parameters x ops: on models' GPT of 96 layers (10k ops after minimize) they
+are half of Paddle's minimize (4.8 s -> 2.5 s without them), and at 384 layers they dominate it. A
+pipelined job runs ``minimize`` on every rank, on the largest programs.
+
+``linear_scans()`` swaps in versions that make one pass over the ops each and hand Paddle back exactly
+what its own code computes: the same ``(parameter, gradient)`` list in the same order, the same
+``op_role_var`` attributes on the same ops, the same device map (the tests compare the serialized
+programs). Everything else stays Paddle's own: the backward is built by Paddle's ``append_backward``, asked
+for no parameter list so that its tail has nothing to scan. Calls the fast tail does not cover (a
+control-flow block, a second backward, recompute checkpoints, a distributed context, a parameter list
+Paddle would reject) go to Paddle's function unchanged. The swap lasts for the ``with`` block only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ._paddle import core, framework
+from .process_switch import ProcessSwitch
+
+_paddle_own: dict[str, Any] = {}  # Paddle's functions while the fast ones stand in
+
+
+def _optimizer_module() -> Any:
+    import paddle.optimizer.optimizer as module  # the module whose Optimizer.backward calls append_backward
+    return module
+
+
+def _names(parameter_list: Any) -> list[str] | None:
+    """The parameter names ``append_backward`` would read from ``parameter_list``; None when Paddle's own
+    checks would reject it (Paddle's function then runs, and raises its own error)."""
+    if not isinstance(parameter_list, (list, tuple, set)):
+        return None
+    if not all(isinstance(p, (framework.Variable, str)) for p in parameter_list):
+        return None
+    return [p if isinstance(p, str) else p.name for p in parameter_list]
+
+
+def _append_backward(loss: Any, parameter_list: Any = None, no_grad_set: Any = None, callbacks: Any = None,
+                     checkpoints: Any = None, distop_context: Any = None) -> Any:
+    """``append_backward`` with its parameter-gradient tail in one backwards pass over the ops."""
+    real = _paddle_own["append_backward"]
+    program = loss.block.program
+    names = None if parameter_list is None else _names(parameter_list)
+    if (checkpoints or distop_context is not None or program.current_block_idx != 0
+            or program._appending_grad_times != 0 or (parameter_list is not None and names is None)):
+        return real(loss, parameter_list, no_grad_set, callbacks, checkpoints, distop_context)
+    real(loss, [], no_grad_set, callbacks)
+    block = program.global_block()
+    if names is None:
+        names = [p.name for p in block.all_parameters() if p.trainable]
+    suffix = core.grad_var_suffix()
+    # In block 0 Paddle pairs a parameter with its gradient exactly when the backward made one (named
+    # parameter + @GRAD; partial sums are renamed and summed into it).
+    pairs = [(block.var(n), block.var(n + suffix)) for n in names if block.has_var(n + suffix)]
+    writer: dict[str, Any] = {}
+    wanted = {grad.name for _, grad in pairs}
+    for op in reversed(block.ops):
+        for out in op.output_arg_names:
+            if out in wanted and out not in writer:
+                writer[out] = op
+    role_var = core.op_proto_and_checker_maker.kOpRoleVarAttrName()
+    for param, grad in pairs:
+        grad.op = writer.get(grad.name)
+        if grad.op is None:
+            raise ValueError("Unexpected branch")  # Paddle's own words for a gradient no op writes
+        value = [param.name, grad.name]
+        if grad.op.has_attr(role_var):
+            value.extend(grad.op.attr(role_var))
+        grad.op._set_attr(role_var, value)
+    return pairs
+
+
+def _update_param_device_map(self: Any, parameters_and_grads: Any, target_block: Any) -> None:
+    """``Optimizer._update_param_device_map`` in one pass: each trainable parameter's device is that of the
+    first op reading it."""
+    wanted = {pg[0].name for pg in parameters_and_grads if pg[0].stop_gradient is False}
+    device_attr = core.op_proto_and_checker_maker.kOpDeviceAttrName()
+    for op in target_block.ops:
+        if not wanted:
+            return
+        for name in op.input_arg_names:
+            if name in wanted:
+                wanted.discard(name)
+                self._param_device_map[name] = op.attr(device_attr)
+
+
+def _swap_in() -> Any:
+    module = _optimizer_module()
+    _paddle_own.update(append_backward=module.append_backward,
+                       device_map=module.Optimizer.__dict__["_update_param_device_map"])
+    module.append_backward = _append_backward
+    module.Optimizer._update_param_device_map = _update_param_device_map
+    return module
+
+
+def _swap_out(module: Any) -> None:
+    module.append_backward = _paddle_own.pop("append_backward")
+    module.Optimizer._update_param_device_map = _paddle_own.pop("device_map")
+
+
+linear_scans = ProcessSwitch(_swap_in, _swap_out).held
+"""Paddle's ``append_backward`` (as its optimizers call it) and ``_update_param_device_map`` swapped for the
+single-pass versions above while the ``with linear_scans():`` block runs."""
