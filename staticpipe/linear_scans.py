@@ -13,16 +13,16 @@ what its own code computes: the same ``(parameter, gradient)`` list in the same 
 programs). Everything else stays Paddle's own: the backward is built by Paddle's ``append_backward``, asked
 for no parameter list so that its tail has nothing to scan. Calls the fast tail does not cover (a
 control-flow block, a second backward, recompute checkpoints, a distributed context, a parameter list
-Paddle would reject) go to Paddle's function unchanged. The swap lasts for the ``with`` block only.
+Paddle would reject, a gradient name already taken, which Paddle's backward renames around) go to
+Paddle's function unchanged. The swap lasts while a ``with`` block holds it.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from ._paddle import core, framework
+from ._paddle import core, framework, paddle
 from .process_switch import ProcessSwitch
 
-_paddle_own: dict[str, Any] = {}  # Paddle's functions while the fast ones stand in
 
 
 def _optimizer_module() -> Any:
@@ -43,17 +43,18 @@ def _names(parameter_list: Any) -> list[str] | None:
 def _append_backward(loss: Any, parameter_list: Any = None, no_grad_set: Any = None, callbacks: Any = None,
                      checkpoints: Any = None, distop_context: Any = None) -> Any:
     """``append_backward`` with its parameter-gradient tail in one backwards pass over the ops."""
-    real = _paddle_own["append_backward"]
+    real = paddle.base.backward.append_backward  # Paddle's own: only the optimizer module's name is swapped
     program = loss.block.program
-    names = None if parameter_list is None else _names(parameter_list)
-    if (checkpoints or distop_context is not None or program.current_block_idx != 0
-            or program._appending_grad_times != 0 or (parameter_list is not None and names is None)):
-        return real(loss, parameter_list, no_grad_set, callbacks, checkpoints, distop_context)
-    real(loss, [], no_grad_set, callbacks)
     block = program.global_block()
-    if names is None:
+    names = None if parameter_list is None else _names(parameter_list)
+    if names is None and parameter_list is None:
         names = [p.name for p in block.all_parameters() if p.trainable]
     suffix = core.grad_var_suffix()
+    if (checkpoints or distop_context is not None or program.current_block_idx != 0
+            or program._appending_grad_times != 0 or names is None
+            or any(block.has_var(n + suffix) for n in names)):  # a name taken: Paddle renames the gradient
+        return real(loss, parameter_list, no_grad_set, callbacks, checkpoints, distop_context)
+    real(loss, [], no_grad_set, callbacks)
     # In block 0 Paddle pairs a parameter with its gradient exactly when the backward made one (named
     # parameter + @GRAD; partial sums are renamed and summed into it).
     pairs = [(block.var(n), block.var(n + suffix)) for n in names if block.has_var(n + suffix)]
@@ -89,20 +90,21 @@ def _update_param_device_map(self: Any, parameters_and_grads: Any, target_block:
                 self._param_device_map[name] = op.attr(device_attr)
 
 
-def _swap_in() -> Any:
+def _swap_in() -> tuple:
     module = _optimizer_module()
-    _paddle_own.update(append_backward=module.append_backward,
-                       device_map=module.Optimizer.__dict__["_update_param_device_map"])
+    saved = (module, module.append_backward, module.Optimizer.__dict__["_update_param_device_map"])
     module.append_backward = _append_backward
     module.Optimizer._update_param_device_map = _update_param_device_map
-    return module
+    return saved
 
 
-def _swap_out(module: Any) -> None:
-    module.append_backward = _paddle_own.pop("append_backward")
-    module.Optimizer._update_param_device_map = _paddle_own.pop("device_map")
+def _swap_out(saved: tuple) -> None:
+    module, append_backward, device_map = saved
+    module.append_backward = append_backward
+    module.Optimizer._update_param_device_map = device_map
 
 
 linear_scans = ProcessSwitch(_swap_in, _swap_out).held
 """Paddle's ``append_backward`` (as its optimizers call it) and ``_update_param_device_map`` swapped for the
-single-pass versions above while the ``with linear_scans():`` block runs."""
+single-pass versions above while a ``with linear_scans():`` block runs (process-wide: a minimize on another
+thread meanwhile takes them too, and gets Paddle's results all the same)."""

@@ -63,6 +63,16 @@ def first_names(net):
     return {p.name for p in net.main.global_block().all_parameters()[:2]}
 
 
+def with_a_gradient_name_taken():
+    """An MLP whose program already declares its first weight's gradient name: Paddle's backward renames the
+    gradient around it, so the fast tail must hand the call to Paddle's own."""
+    net = build_mlp(num_stages=2, depth=2)
+    block = net.main.global_block()
+    weight = block.all_parameters()[0]
+    block.create_var(name=weight.name + "@GRAD", shape=weight.shape, dtype=weight.dtype)
+    return net
+
+
 CASES = {
     "mlp-momentum": (lambda: build_mlp(num_stages=2, depth=4), momentum, {}),
     "gpt-tied-adamw-clip": (lambda: build_gpt(num_stages=2, n_layers=2), adamw_clip, {}),
@@ -73,6 +83,7 @@ CASES = {
                         {"parameters": lambda net: [p.name for p in first_half(net)]}),
     "no-grad-set": (lambda: build_mlp(num_stages=2, depth=4), momentum, {"no_grad_set": first_names}),
     "amp-fp16-o1": (lambda: build_mlp(num_stages=2, depth=4), fp16_o1, {}),
+    "gradient-name-taken": (with_a_gradient_name_taken, momentum, {}),
 }
 
 

@@ -79,3 +79,11 @@ def test_bad_cores_and_deadlocks_are_reported():
     with pytest.raises(ScheduleError) as err:  # found by the independent engine, which explains it
         simulate({0: [F(0, 0), B(0, 0)], 1: [B(1, 0), F(1, 0)]}, cores=1)
     assert "deadlock" in str(err.value)
+
+
+@pytest.mark.parametrize("cost", [float("nan"), -1.0])
+def test_a_cost_that_is_no_duration_is_named_instead_of_never_ending(cost):
+    schedule = make_schedule("1F1B", 2, 4, 1)
+    with pytest.raises(ValueError) as err:
+        simulate(schedule, lambda a: cost if a.kind is Kind.B and a.stage == 1 else 1.0, cores=2)
+    assert str(err.value) == f"action 1B0 of rank 1 costs {cost!r}: a cost is seconds >= 0"

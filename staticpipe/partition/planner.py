@@ -20,7 +20,7 @@ How, running at most the plans it builds:
   that runs the same sections is lowered onto those plans (``rewrite.reschedule``); a stage's figures
   (bytes and action times) depend only on its own ops and whether it recomputes, so any subset of
   recomputed stages is priced from those two and the schedule's in-flight counts: every subset up to six
-  stages, beyond that the ones ``recompute_subsets.py`` shows can win.
+  stages, beyond that the ones ``recompute_subsets.py`` picks.
 
 Partitions: per layout (one stage per device; two per device for the interleaved and V schedules), the
 time-balanced cut of ``auto_place`` and, under a cap and with one stage per device, its memory-capped cut.
@@ -67,7 +67,8 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
     ``profile`` is given, taken at the same micro-batch size) and every built plan is timed on it for
     ``time_steps`` traced steps (0: price time from the op profile alone, as without ``feed``).
     ``schedules``: the schedule names to consider (default: every registered one). ``recompute``: True
-    prices every subset of recomputed stages, "whole" none or all of them, False none. ``ValueError``
+    prices the sets of recomputed stages that can win (every subset up to six stages; see
+    ``recompute_subsets.py``), "whole" none or all of them, False none. ``ValueError``
     saying by how much the best plan misses, per device, when none fits.
     """
     refuse_pir(program, "auto_plan")
@@ -152,7 +153,7 @@ def _placed(program, profile, layout, policy, kind, m, caps, placements: dict) -
     memory cut does, through its in-flight counts."""
     where = (tuple(layout), policy, kind.name if policy == "memory" else None)
     if where not in placements:
-        tagged = program.clone()
+        tagged = clone_with_split_points(program)
         try:
             placements[where] = (auto_place(tagged, devices=list(layout), policy=policy, profile=profile,
                                             schedule=kind.name, num_microbatches=m, memory_limit=_cut_cap(caps)),

@@ -2,14 +2,15 @@
 
 Why not every subset: there are 2^stages of them, 65,536 at 16 stages, and each is a memory model and a
 simulated step. Up to ``EXHAUSTIVE_UP_TO`` stages every subset is priced, so the report shows each.
-Beyond, two facts settle the choice: recomputing a stage only adds work (its forward runs again before
+Beyond, two facts narrow the choice: recomputing a stage only adds work (its forward runs again before
 its backward, so the simulated step of a fixed schedule can only grow), and a device's memory depends
-only on which of its own stages recompute. So the fastest set that fits recomputes, on each device, the
-fewest of its stages that bring it under its cap, and nothing elsewhere: with one stage per device that
-set is unique and the one exhaustive pricing would choose; with two (interleaved, V) a device where
-either one stage would do recomputes the one whose forward costs less. Priced beyond: no stage
-recomputed alone when it fits; else that, the set above and every stage recomputed (the least memory:
-the closest plan when nothing fits).
+only on which of its own stages recompute. So a fitting set is never beaten by a larger one, and
+with one stage per device the fastest fitting set is unique: on each device over its cap, its stage,
+and nothing elsewhere -- the set pricing every subset would choose. With two stages per device
+(interleaved), a device where either one of its stages would do recomputes the one whose forward costs
+less: a rule, since the step is a simulation, not a sum (the other one can be faster by a few percent).
+Priced beyond six stages: no stage recomputed alone when it fits; else that, the set above, and every
+stage recomputed (the least memory: the closest plan when nothing fits).
 """
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ def reschedule(plan: Plan, schedule: str, compute: Schedule | None = None) -> Pl
     """``plan`` run by another named ``schedule`` of the same stage layout and backward split (1F1B and
     F-then-B; ZB-H1 and ZB-2P; the V schedules): the same sections and routes, the schedule lowered with
     those routes, validated, and the memory model of the new action lists. What ``plan_with`` would give for
-    that schedule, without building the sections again (``auto_plan`` prices every schedule of a partition).
+    that schedule at unit costs (a plan does not record ``schedule_costs``), without building the sections
+    again (``auto_plan`` prices every schedule of a partition).
     ``compute``: the schedule's action lists when already made (``make_schedule``'s, unit costs)."""
     kind = get_kind(schedule)
     stage_ranks = [st.rank for st in plan.stages]

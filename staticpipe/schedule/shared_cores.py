@@ -105,6 +105,8 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
                     waiting.setdefault(what, []).append(r)
                     continue
                 work, started[r] = duration(a), now
+                if not work >= 0:  # NaN would never end
+                    raise ValueError(f"action {a} of rank {r} costs {work!r}: a cost is seconds >= 0")
                 running.add(r)
                 busy += r in sharing
                 left[slot[r]] = work
