@@ -21,6 +21,9 @@ class PipelineAborted(RuntimeError):
     """Raised in a worker blocked on a channel when another stage failed."""
 
 
+PASSING_THROUGH = (PipelineAborted, StageError, KeyboardInterrupt, SystemExit)  # what failing_as lets by
+
+
 @contextlib.contextmanager
 def failing_as(stage: int, device: str, action: object, note: str = "") -> Iterator[None]:
     """Raise what fails inside as this stage's ``StageError`` (the original as its cause). What already
@@ -28,7 +31,7 @@ def failing_as(stage: int, device: str, action: object, note: str = "") -> Itera
     exit pass through as they are."""
     try:
         yield
-    except (PipelineAborted, StageError, KeyboardInterrupt, SystemExit):
+    except PASSING_THROUGH:
         raise
     except BaseException as exc:
         raise StageError(stage, device, action, exc, note) from exc

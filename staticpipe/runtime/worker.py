@@ -18,7 +18,7 @@ from .._paddle import core, np
 from ..ir import free_scope, is_pir_program, np_dtype, tensor_bytes, tensor_of
 from ..plan import BACKWARD, FORWARD, INIT, WEIGHT, CutVar, Run, Section, Stage
 from ..schedule import Action, Kind
-from .errors import PipelineAborted, StageError, check_finite_values, failing_as
+from .errors import PASSING_THROUGH, PipelineAborted, StageError, check_finite_values, failing_as
 from .jobs import RankProgram, StepJob, StepResult
 from .optimize_phase import run_optimizers
 from .pir_runs import PirRuns
@@ -71,6 +71,12 @@ class DeviceWorker:
         return ctx
 
     def execute(self, run: Run, scope: core._Scope, fetch: tuple[str, ...] = ()) -> None:
+        ctx = self._ctx.get((run, fetch))
+        if ctx is not None:  # the common case, every action after a run's first: nothing else to decide
+            self._exe.run_prepared_ctx(ctx, scope, False, True, True)
+            if self._cuda:
+                core._cuda_synchronize(self.place)
+            return
         if run.program is None:
             return
         if is_pir_program(run.program):
@@ -113,7 +119,7 @@ class DeviceWorker:
         try:
             for i, action in enumerate(program.actions):
                 started = time.perf_counter() if record is not None else 0.0
-                with failing_as(action.stage, self.device, action):
+                try:  # errors.failing_as, written out: a context manager per action cost more than the rest
                     if action.kind is Kind.OPT:
                         group = program.optimizer_groups.get(action.stage)
                         if group is not None:  # the first of the rank's OPT actions runs them all
@@ -128,6 +134,10 @@ class DeviceWorker:
                             self._send(job, action, scope)
                         else:
                             self._compute(job, action, scope, result)
+                except PASSING_THROUGH:
+                    raise
+                except BaseException as exc:
+                    raise StageError(action.stage, self.device, action, exc) from exc
                 for stage, mb in program.last_use.get(i, ()):
                     self._release(program, stage, mb, scopes.pop((stage, mb)))
                 if record is not None:  # the thread's CPU since the last record: the action and its upkeep
@@ -240,6 +250,12 @@ class DeviceWorker:
 
 
 VARYING = -1  # held bytes that differ between micro-batches: measured every time
+_NP_DTYPE: dict = {}  # Paddle dtype -> numpy name: Paddle's conversion costs microseconds, per message
+
+
+def _numpy_name(paddle_dtype) -> str:
+    name = _NP_DTYPE[paddle_dtype] = np_dtype(paddle_dtype)
+    return name
 MEASURED_STEPS = 2
 
 
@@ -250,6 +266,7 @@ def _check_cut(var: CutVar, tensor: core.LoDTensor, micro_batch_size: int | None
     if got != want and (len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got))):
         raise ValueError(f"cut variable '{var.name}' has shape {list(got)}, but the plan compiled "
                          f"{list(want)}")
-    if np_dtype(tensor._dtype()) != var.dtype:
+    paddle_dtype = tensor._dtype()
+    if _NP_DTYPE.get(paddle_dtype) != var.dtype and _numpy_name(paddle_dtype) != var.dtype:
         raise ValueError(f"cut variable '{var.name}' has dtype {np_dtype(tensor._dtype())}, but the plan compiled "
                          f"{var.dtype}")
