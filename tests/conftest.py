@@ -30,6 +30,22 @@ def _static_mode():
     yield
 
 
+@pytest.fixture(params=["legacy", "pir"])
+def program_ir(request):
+    """A feature test taking this fixture runs once per program IR: the legacy IR (this process's default,
+    see above), and PIR (Paddle 3's default) under ``IrGuard``, skipped on Paddle 2.x. Its programs are built
+    and trained inside, so one test body checks a feature on both IRs."""
+    from staticpipe._paddle import PADDLE_MAJOR
+
+    if request.param == "legacy":
+        yield "legacy"
+        return
+    if PADDLE_MAJOR < 3:
+        pytest.skip("PIR is Paddle 3's program IR")
+    with paddle.pir_utils.IrGuard():
+        yield "pir"
+
+
 @pytest.fixture
 def bf16_kernels_assumed(monkeypatch):
     """For tests that only build bfloat16 plans (nothing runs): the CPU's answer is taken as yes, so the

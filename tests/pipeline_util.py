@@ -10,6 +10,7 @@ import pytest
 import staticpipe
 from staticpipe import capabilities
 from staticpipe._paddle import np, paddle
+from staticpipe.ir import is_pir_program
 
 # Tests that run bfloat16 kernels on CPU stages: they need a CPU (and oneDNN cap) with bfloat16 matmuls,
 # which the process's probe decides (staticpipe.capabilities); elsewhere they skip, saying why.
@@ -45,7 +46,10 @@ def minimize(net, optimizer, pipeline: dict | None):
 def clip_norm_squares(program) -> dict[str, str]:
     """Parameter -> the variable holding the squared L2 norm of its gradient that Paddle's
     ``ClipGradByGlobalNorm`` computes in a single-device ``program`` (before it scales the gradients in
-    place); empty when the program has no global-norm clip."""
+    place); empty when the program has no global-norm clip, or is a PIR program (whose values have no
+    names to fetch them by)."""
+    if is_pir_program(program):
+        return {}
     return {op.input("X")[0].split("@GRAD")[0]: op.output("Out")[0]
             for op in program.global_block().ops if op.type == "squared_l2_norm"}
 
@@ -57,21 +61,23 @@ def _clip_global_norm(program, squares: dict[str, str]) -> list[str]:
     return [op.output("Out")[0] for op in block.ops if op.type == "sqrt" and op.input("X") == total][:1]
 
 
-def run_reference(program, scope, exe, batch: dict, fetch: list[str], microbatches: int = 1) -> list[np.ndarray]:
+def run_reference(program, scope, exe, batch: dict, fetch: list, microbatches: int = 1) -> list[np.ndarray]:
     """One single-device step of ``program``: the whole batch in one run, or ``microbatches`` runs of
     consecutive slices (for a program minimized by a GradientMergeOptimizer); returns the fetched
     values (of each run, averaged over the runs)."""
     size = len(next(iter(batch.values()))) // microbatches
-    runs = [exe.run(program, feed={k: v[m * size:(m + 1) * size] for k, v in batch.items()}, fetch_list=fetch,
-                    scope=scope) for m in range(microbatches)]
+    with paddle.static.scope_guard(scope):  # PIR's executor keeps a scheduled learning rate in the global scope
+        runs = [exe.run(program, feed={k: v[m * size:(m + 1) * size] for k, v in batch.items()}, fetch_list=fetch)
+                for m in range(microbatches)]
     return [np.mean([np.asarray(r[i], np.float64) for r in runs], axis=0) for i in range(len(fetch))]
 
 
 def train_reference(builder: Callable, make_opt: Callable, initial: dict[str, np.ndarray], batches: list[dict],
                     microbatches: int = 1, reverse: bool = False) -> dict[str, np.ndarray]:
     """Single-device training of ``builder(guarded=False)`` from ``initial`` on ``batches``, the whole
-    batch at once, or as Paddle's gradient merge over ``microbatches`` runs, optionally with every
-    batch's samples in reverse order: the same training with another order of the float32 sums."""
+    batch at once, or as Paddle's gradient merge over ``microbatches`` runs (legacy programs: Paddle's
+    gradient merge builds no PIR), optionally with every batch's samples in reverse order: the same
+    training with another order of the float32 sums."""
     net = builder(guarded=False)
     with paddle.static.program_guard(net.main, net.startup), paddle.utils.unique_name.guard():
         opt = make_opt()
@@ -79,13 +85,14 @@ def train_reference(builder: Callable, make_opt: Callable, initial: dict[str, np
             opt = paddle.incubate.optimizer.GradientMergeOptimizer(opt, k_steps=microbatches, avg=True)
         opt.minimize(net.loss)
     exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
-    exe.run(net.startup, scope=scope)
+    with paddle.static.scope_guard(scope):
+        exe.run(net.startup)
     for name, value in initial.items():
         scope.find_var(name).get_tensor().set(value, paddle.CPUPlace())
     for batch in batches:
         if reverse:
             batch = {k: np.ascontiguousarray(v[::-1]) for k, v in batch.items()}
-        run_reference(net.main, scope, exe, batch, [net.loss.name], microbatches)
+        run_reference(net.main, scope, exe, batch, [net.loss], microbatches)
         if hasattr(net.main, "lr_scheduler"):
             net.main.lr_scheduler.step()
     return {name: np.array(scope.find_var(name).get_tensor()) for name in initial}
@@ -103,20 +110,22 @@ def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_siz
     minimize(ref, make_opt(), None)
     minimize(pipe, make_opt(), pipeline)
     ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
-    ref_exe.run(ref.startup, scope=scope)
-    names = [p.name for p in ref.main.all_parameters()]
+    with paddle.static.scope_guard(scope):  # PIR's executor keeps a scheduled learning rate in the global scope
+        ref_exe.run(ref.startup)
+    names = parameter_names(ref.main)
     initial = {n: np.array(scope.find_var(n).get_tensor()) for n in names}
     exe = staticpipe.Executor()
     exe.run(pipe.startup)
     exe.set_state_dict(pipe.main, initial)
     squares = clip_norm_squares(ref.main)
     global_norm = _clip_global_norm(ref.main, squares) if squares else []
-    fetch = [ref.loss.name, *squares.values(), *global_norm]
+    fetch = [ref.loss, *squares.values(), *global_norm]
     ref_losses, pipe_losses, grad_squares, batches = [], [], [], []
     for step in range(steps):
         batch = ref.random_batch(batch_size, seed=0 if same_batch else step)
         batches.append(batch)
-        loss, *norms = ref_exe.run(ref.main, feed=batch, fetch_list=fetch, scope=scope)
+        with paddle.static.scope_guard(scope):
+            loss, *norms = ref_exe.run(ref.main, feed=batch, fetch_list=fetch)
         ref_losses.append(float(loss))
         if squares:
             grad_squares.append({p: float(np.asarray(v).item()) for p, v in zip(squares, norms)})
@@ -137,6 +146,11 @@ def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_siz
                   train_reference(builder, make_opt, initial, batches, reverse=True)]
         twin.ref_noise = {n: np.max([np.abs(o[n] - twin.ref_params[n]) for o in others], axis=0) for n in names}
     return twin
+
+
+def parameter_names(program) -> list[str]:
+    """The parameters of a legacy or PIR program, in the program's order."""
+    return [p.name for p in program.global_block().all_parameters()]
 
 
 def assert_same_training(twin: Twin, rtol: float = 1e-5, atol: float = 1e-6) -> None:

@@ -26,7 +26,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("schedule", ["F-then-B", "1F1B"])
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("model", ["mlp", "convnet"])
-def test_pipeline_equals_single_device(model, stages, schedule, optimizer):
+def test_pipeline_equals_single_device(model, stages, schedule, optimizer, program_ir):
     builder = {"mlp": build_mlp, "convnet": build_convnet}[model]
     twin = train_twins(partial(builder, num_stages=stages), OPTIMIZERS[optimizer],
                        num_microbatches=4, schedule=schedule)
@@ -34,7 +34,7 @@ def test_pipeline_equals_single_device(model, stages, schedule, optimizer):
 
 
 @pytest.mark.parametrize("microbatches", [1, 2, 8])
-def test_any_number_of_microbatches(microbatches):
+def test_any_number_of_microbatches(microbatches, program_ir):
     """1F1B with fewer micro-batches than stages still works: it degenerates to F-then-B."""
     twin = train_twins(partial(build_mlp, num_stages=4), OPTIMIZERS["momentum"],
                        num_microbatches=microbatches, schedule="1F1B")

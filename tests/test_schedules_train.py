@@ -13,6 +13,7 @@ from models import build_gpt, build_mlp, build_resnet
 from pipeline_util import assert_same_training, gradient_merge_twins, minimize, op_vars, train_twins
 from schedule_util import HEAVY_MIDDLE
 from staticpipe._paddle import np, paddle
+from staticpipe.ir import is_pir_program
 from staticpipe.schedule import Kind, ScheduleError, format_schedule
 from staticpipe.schedule.gantt import COLORS
 
@@ -38,11 +39,12 @@ def momentum():
 
 
 @pytest.mark.parametrize("schedule", sorted(LAYOUTS))
-def test_every_schedule_equals_single_device(schedule):
+def test_every_schedule_equals_single_device(schedule, program_ir):
     devices = LAYOUTS[schedule]
     builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices)
-    assert_same_training(train_twins(builder, momentum, num_microbatches=MICROBATCHES.get(schedule, 4),
-                                     schedule=schedule))
+    twin = train_twins(builder, momentum, num_microbatches=MICROBATCHES.get(schedule, 4), schedule=schedule)
+    assert_same_training(twin)
+    assert is_pir_program(twin.plan.stages[0].sections["forward"].program) == (program_ir == "pir")
 
 
 @pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V", "interleaved", "DualPipeV"])

@@ -36,7 +36,9 @@ EXACT = {
 
 
 @pytest.mark.parametrize("name", sorted(EXACT))
-def test_training_equals_single_device(name):
+def test_training_equals_single_device(name, program_ir):
+    if program_ir == "pir" and "ClipGradByValue" in name:
+        pytest.skip("Paddle 3.3.1's ClipGradByValue raises NotImplementedError on a PIR program (one device too)")
     assert_same_training(train_twins(MLP3, EXACT[name], steps=4, num_microbatches=4))
 
 
