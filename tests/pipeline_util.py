@@ -274,7 +274,7 @@ def dense_layers(program) -> list[tuple[str, str]]:
     """(weight, bias) of each fully connected layer of ``program`` (``paddle.static.nn.fc``), in op order:
     the parameter a ``mul``/``matmul`` op multiplies by and the parameter added to its product."""
     block = program.global_block()
-    params = {p.name for p in program.all_parameters()}
+    params = set(parameter_names(program))
     layers = []
     for op in block.ops:
         if op.type in ("mul", "matmul", "matmul_v2") and op.input("Y")[0] in params:

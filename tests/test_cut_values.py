@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 import staticpipe
-from models.network import Network
+from models.network import Network, fresh_names
 from pipeline_util import assert_same_training, launch_script, train_twins
-from staticpipe._paddle import PADDLE_MAJOR, np, paddle
+from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,7 +24,7 @@ def kinds_net(guarded: bool = True) -> Network:
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = 7
-    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+    with paddle.static.program_guard(main, startup), fresh_names():
         with on("gpu:0"):
             x = paddle.static.data("features", [None, 6], "float32")
             h = paddle.static.nn.fc(x, 8, activation="tanh")
@@ -54,7 +54,7 @@ class _nothing:
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "F-then-B", "ZB-H1"])
-def test_every_kind_of_value_crosses_stages_like_one_device(schedule):
+def test_every_kind_of_value_crosses_stages_like_one_device(schedule, program_ir):
     twin = train_twins(kinds_net, lambda: paddle.optimizer.Momentum(0.1, momentum=0.9), steps=3, batch_size=8,
                        num_microbatches=4, schedule=schedule)
     assert_same_training(twin)
@@ -62,40 +62,6 @@ def test_every_kind_of_value_crosses_stages_like_one_device(schedule):
     dtypes = sorted({v.dtype for v in crossing.values()})
     assert dtypes == ["bool", "float16", "float32", "int64", "uint16"], dtypes  # uint16: bfloat16
     assert any(v.shape == () for v in crossing.values())  # the 0-D auxiliary loss
-
-
-def kinds_layers():
-    """The same kinds on a PIR program (test_pir's feeds x and y)."""
-    from test_pir import CLASSES, FEATURES
-
-    x = paddle.static.data("x", [None, FEATURES], "float32")
-    y = paddle.static.data("y", [None, 1], "int64")
-    with staticpipe.device_guard("gpu:0"):
-        h = paddle.static.nn.fc(x, 8, activation="tanh")
-        aux, top, mask = paddle.mean(h * h), paddle.argmax(h, axis=1, keepdim=True), h > 0.2
-        half, brain = paddle.cast(h, "float16"), paddle.cast(h, "bfloat16")
-    with staticpipe.device_guard("gpu:1"):
-        back = paddle.cast(half, "float32") + paddle.cast(brain, "float32")
-        g = paddle.static.nn.fc(back * paddle.cast(mask, "float32") + h, 8, activation="tanh")
-        g = g + 0.1 * paddle.cast(top, "float32")
-    with staticpipe.device_guard("gpu:2"):
-        logits = paddle.static.nn.fc(g + h, CLASSES)
-        ce = paddle.mean(paddle.nn.functional.cross_entropy(logits, y))
-        return ce + 0.05 * aux + 0.01 * paddle.mean(paddle.cast(top, "float32"))
-
-
-@pytest.mark.skipif(PADDLE_MAJOR < 3, reason="PIR is Paddle 3's program IR")
-@pytest.mark.parametrize("schedule", ["1F1B", "ZB-H1"])
-def test_every_kind_of_value_crosses_stages_on_pir(schedule):
-    from test_pir import assert_same, train_twins as pir_twins
-
-    with paddle.pir_utils.IrGuard():
-        *result, opt = pir_twins(kinds_layers, lambda: paddle.optimizer.Momentum(0.1, momentum=0.9),
-                                 dict(num_microbatches=4, schedule=schedule))
-    assert_same(*result, tol=1e-5)
-    crossing = {v.name: v for r in opt.plan.routes if r.src.kind == "forward" for v in r.vars}
-    assert sorted({v.dtype for v in crossing.values()}) == ["bool", "float16", "float32", "int64", "uint16"]
-    assert any(v.shape == () for v in crossing.values())
 
 
 SCRIPT = """

@@ -72,7 +72,7 @@ def test_split_and_chunked_schedules_with_batch_norm(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "ZB-V", "V-Half", "DualPipeV"])
-def test_chunked_schedules_with_global_norm_clipping(schedule):
+def test_chunked_schedules_with_global_norm_clipping(schedule, program_ir):
     """A rank holding several stages runs their optimize sections together: the global-norm sum adds
     the local stages' parts before going over the ranks (run one after the other, the first stage's
     sum would wait forever for the second)."""
@@ -84,7 +84,7 @@ def test_chunked_schedules_with_global_norm_clipping(schedule):
     assert_same_training(train_twins(builder, clipped, num_microbatches=4, schedule=schedule), rtol=1e-5)
 
 
-def test_zb_v_with_a_tied_embedding_owned_and_read_on_one_rank():
+def test_zb_v_with_a_tied_embedding_owned_and_read_on_one_rank(program_ir):
     """ZB-V puts the GPT's first and last stage on gpu:0: the tied embedding's owner (stage 0) receives
     stage 3's partial gradient from its own rank inside the optimize step."""
     devices = ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]
@@ -274,7 +274,7 @@ def test_pipeline_optimizer_checks_schedule_costs():
     ("ZB-H1", 2, "1F0 1F1 1B0 1B1 1W0 1W1"),
     ("ZB-2P", 3, "1F0 1F1 1F2 1B0 1B1 1B2 1W0 1W1 1W2"),
 ])
-def test_cost_aware_plan_trains_like_one_device(schedule, m, rank1):
+def test_cost_aware_plan_trains_like_one_device(schedule, m, rank1, program_ir):
     builder = partial(build_mlp, num_stages=3)
     twin = train_twins(builder, momentum, batch_size=6 * m, num_microbatches=m, schedule=schedule,
                        schedule_costs=HEAVY_MIDDLE)

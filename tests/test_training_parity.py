@@ -14,6 +14,7 @@ import pytest
 
 import staticpipe
 from models import build_mlp
+from models.network import fresh_names
 from pipeline_util import (assert_adam_family_training, assert_clipping_matters, assert_same_training, dense_layers,
                            gradient_merge_twins, learning_rate_var, minimize, op_vars, train_twins)
 from staticpipe._paddle import np, paddle
@@ -117,7 +118,7 @@ def tied_lm(num_stages=2, guarded=True, vocab=40, dim=16, seq=4, head=False):
     def on(stage):
         return staticpipe.device_guard(f"gpu:{stage}") if guarded else paddle.static.device_guard(None)
 
-    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+    with paddle.static.program_guard(main, startup), fresh_names():
         with on(0):
             ids = paddle.static.data("ids", [None, seq], "int64")
             table = paddle.static.create_parameter([vocab, dim], "float32", name="embedding")
@@ -139,7 +140,7 @@ def tied_lm(num_stages=2, guarded=True, vocab=40, dim=16, seq=4, head=False):
 @pytest.mark.parametrize("make", [lambda: P.Momentum(0.1, momentum=0.9),
                                   lambda: P.SGD(0.5, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.1))],
                          ids=["momentum", "sgd+global-norm"])
-def test_tied_embedding_trains_like_single_device(stages, make):
+def test_tied_embedding_trains_like_single_device(stages, make, program_ir):
     twin = train_twins(partial(tied_lm, num_stages=stages), make, steps=4, batch_size=8, num_microbatches=4)
     assert_same_training(twin)
 
@@ -224,7 +225,7 @@ def test_dropout_masks_are_reproducible_with_a_seed():
 # ------------------------------------------------------------------------------------- recompute
 
 @pytest.mark.parametrize("schedule", ["F-then-B", "1F1B"])
-def test_recompute_trains_identically_and_holds_less(schedule):
+def test_recompute_trains_identically_and_holds_less(schedule, program_ir):
     """Recompute changes where activations come from, not what is computed: parameters are identical
     to the run without it, and each stage holds only its inputs between forward and backward."""
     from models import build_resnet
