@@ -104,7 +104,7 @@ def data_linear_net(guarded: bool = True) -> Network:
     paddle.enable_static()
     main, startup = paddle.static.Program(), paddle.static.Program()
     startup.random_seed = 2
-    with paddle.utils.unique_name.guard(), paddle.static.program_guard(main, startup):
+    with fresh_names(), paddle.static.program_guard(main, startup):
         with on("gpu:0"):
             x = paddle.static.data("features", [None, 6], "float32")
             a = paddle.static.nn.fc(x, 6, activation="tanh")
@@ -120,7 +120,7 @@ def data_linear_net(guarded: bool = True) -> Network:
 
 
 @pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-2P", "1F1B"])
-def test_a_gradient_for_a_weight_half_alone_is_received_with_its_backward(schedule):
+def test_a_gradient_for_a_weight_half_alone_is_received_with_its_backward(schedule, program_ir):
     """It was refused ("schedules move cut variables only between forward and backward sections"): the
     gradient now travels to stage 1's B, which keeps it for its W."""
     twin = train_twins(data_linear_net, lambda: paddle.optimizer.Momentum(0.1, momentum=0.9), steps=3,

@@ -334,7 +334,7 @@ def test_training_after_auto_place_equals_single_device_gpt(gpt_profile):
     assert_same_training(twin, rtol=1e-5)
 
 
-def test_zb_v_layout_gets_a_split_point_between_its_two_chunks_on_one_device():
+def test_zb_v_layout_gets_a_split_point_between_its_two_chunks_on_one_device(program_ir):
     devices = ["gpu:0", "gpu:1", "gpu:1", "gpu:0"]
     twin = train_twins(_placed(lambda: build_mlp(num_stages=1, guarded=False, depth=8), devices=devices,
                                policy="uniform", schedule="ZB-V", num_microbatches=4),

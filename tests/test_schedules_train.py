@@ -115,7 +115,7 @@ def test_zero_bubble_sections_split_weight_gradients():
     assert "1W0" in format_schedule(plan.actions)
 
 
-def test_custom_schedule_is_validated_and_runs():
+def test_custom_schedule_is_validated_and_runs(program_ir):
     twin = train_twins(partial(build_mlp, num_stages=2), momentum, num_microbatches=2,
                        schedule="rank 0: 0F0 0F1 0B1 0B0 0OPT\nrank 1: 1F0 1B0 1F1 1B1 1OPT")
     assert_same_training(twin)
