@@ -30,6 +30,16 @@ def _static_mode():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _ir_coverage(request):
+    """Tells ``pipeline_util.train_twins`` which test runs it and whether that test runs on both IRs."""
+    import pipeline_util
+
+    pipeline_util.current_test = (request.node.originalname, "program_ir" in request.fixturenames)
+    yield
+    pipeline_util.current_test = None
+
+
 @pytest.fixture(params=["legacy", "pir"])
 def program_ir(request):
     """A feature test taking this fixture runs once per program IR: the legacy IR (this process's default,

@@ -33,6 +33,38 @@ class Twin:
     ref_noise: dict[str, np.ndarray] | None = None
 
 
+LEGACY_ONLY = {  # tests that train twins on the legacy IR only -> why they cannot run on a PIR program
+    "test_adam_family_equals_single_device_up_to_its_own_rounding_noise":
+        "its rounding-noise reference is Paddle's gradient merge, which builds legacy programs only",
+    "test_gpt_with_adamw_warmup_cosine_and_global_norm_clipping":
+        "the same rounding-noise reference; and it reads the clip's norms from the reference's legacy ops",
+    "test_tied_embedding_with_active_global_norm_clipping_where_every_stage_owns_parameters":
+        "it reads the clip's per-parameter norms from the reference's legacy ops (squared_l2_norm)",
+    "test_dlrm_with_embeddings_on_a_cpu_stage": "it finds the dense layers by the legacy ops that use them",
+    "test_gpt_tied_embedding_adamw_clipping_over_four_stages":
+        "AMP: Paddle 3.3.1 trains no PIR AMP program on a CPU (docs/pir.md)",
+    "test_gpt_parity_fails_when_stages_clip_by_their_local_norm":
+        "it reads the clip's norms from the reference's legacy ops, and its noise reference is gradient merge",
+    "test_tied_embedding_parity_fails_when_stages_clip_by_their_local_norm":
+        "it reads the clip's per-parameter norms from the reference's legacy ops (squared_l2_norm)",
+    "test_adam_family_check_fails_on_a_wrong_tensor":
+        "its twin (the adam_twin fixture) measures rounding noise with Paddle's gradient merge, legacy only",
+    "test_training_after_auto_place_equals_single_device_mlp":
+        "profile (and so auto_place by measured times) reads legacy programs only (docs/pir.md)",
+    "test_training_after_auto_place_equals_single_device_gpt":
+        "profile (and so auto_place by measured times) reads legacy programs only (docs/pir.md)",
+}
+current_test: tuple[str, bool] | None = None  # (the running test, whether it takes program_ir): conftest.py
+
+
+def check_ir_coverage() -> None:
+    """A test training twins runs on both IRs (``program_ir``) or says in ``LEGACY_ONLY`` why not."""
+    if current_test is not None and not current_test[1] and current_test[0] not in LEGACY_ONLY:
+        raise AssertionError(f"{current_test[0]} trains a pipeline against one device on one IR only: take the "
+                             "program_ir fixture (conftest.py), or list the test in pipeline_util.LEGACY_ONLY with "
+                             "the reason it cannot run on PIR")
+
+
 def minimize(net, optimizer, pipeline: dict | None):
     """Apply ``optimizer`` (wrapped in a PipelineOptimizer when ``pipeline`` gives its options); fresh
     unique names, so that twins built in one process name their optimizer state alike."""
@@ -106,7 +138,13 @@ def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_siz
     the reference's pre-clip gradient norms of every step. ``noise``: also measure the reference's own
     rounding noise, training it twice more (gradient merge over the pipeline's micro-batches; the
     samples of every batch reversed)."""
+    check_ir_coverage()
     ref, pipe = builder(guarded=False), builder()
+    pir = paddle.framework.in_pir_mode()
+    assert is_pir_program(ref.main) == is_pir_program(pipe.main) == pir, "the twins were built on another IR"
+    if noise and pir:
+        raise ValueError("train_twins(noise=True) measures rounding noise with Paddle's gradient merge, which "
+                         "builds legacy programs only")
     minimize(ref, make_opt(), None)
     minimize(pipe, make_opt(), pipeline)
     ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()

@@ -45,6 +45,8 @@ def test_every_schedule_equals_single_device(schedule, program_ir):
     twin = train_twins(builder, momentum, num_microbatches=MICROBATCHES.get(schedule, 4), schedule=schedule)
     assert_same_training(twin)
     assert is_pir_program(twin.plan.stages[0].sections["forward"].program) == (program_ir == "pir")
+    assert twin.plan.schedule == staticpipe.schedule.get_kind(schedule).name
+    assert (len(twin.plan.stages), len(twin.plan.ranks)) == (len(devices), len(set(devices)))
 
 
 @pytest.mark.parametrize("schedule", ["ZB-H1", "ZB-V", "interleaved", "DualPipeV"])

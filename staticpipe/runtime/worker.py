@@ -256,6 +256,8 @@ _NP_DTYPE: dict = {}  # Paddle dtype -> numpy name: Paddle's conversion costs mi
 def _numpy_name(paddle_dtype) -> str:
     name = _NP_DTYPE[paddle_dtype] = np_dtype(paddle_dtype)
     return name
+
+
 MEASURED_STEPS = 2
 
 
