@@ -24,12 +24,6 @@ from ._paddle import core, framework, paddle
 from .process_switch import ProcessSwitch
 
 
-
-def _optimizer_module() -> Any:
-    import paddle.optimizer.optimizer as module  # the module whose Optimizer.backward calls append_backward
-    return module
-
-
 def _names(parameter_list: Any) -> list[str] | None:
     """The parameter names ``append_backward`` would read from ``parameter_list``; None when Paddle's own
     checks would reject it (Paddle's function then runs, and raises its own error)."""
@@ -46,9 +40,8 @@ def _append_backward(loss: Any, parameter_list: Any = None, no_grad_set: Any = N
     real = paddle.base.backward.append_backward  # Paddle's own: only the optimizer module's name is swapped
     program = loss.block.program
     block = program.global_block()
-    names = None if parameter_list is None else _names(parameter_list)
-    if names is None and parameter_list is None:
-        names = [p.name for p in block.all_parameters() if p.trainable]
+    names = ([p.name for p in block.all_parameters() if p.trainable] if parameter_list is None
+             else _names(parameter_list))
     suffix = core.grad_var_suffix()
     if (checkpoints or distop_context is not None or program.current_block_idx != 0
             or program._appending_grad_times != 0 or names is None
@@ -91,7 +84,7 @@ def _update_param_device_map(self: Any, parameters_and_grads: Any, target_block:
 
 
 def _swap_in() -> tuple:
-    module = _optimizer_module()
+    module = paddle.optimizer.optimizer  # the module whose Optimizer.backward calls append_backward
     saved = (module, module.append_backward, module.Optimizer.__dict__["_update_param_device_map"])
     module.append_backward = _append_backward
     module.Optimizer._update_param_device_map = _update_param_device_map

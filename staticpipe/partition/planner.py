@@ -176,15 +176,14 @@ def _built(placed, loss, optimizer, startup, mbs: int, kind, compute, m: int, re
     layout = tuple(s.device for s in placement.stages)
     base = (layout, tuple(placement.bounds))
     if base not in partitions:
-        partitions[base] = _minimized(clone_with_split_points(tagged), loss, optimizer, startup, mbs, kind,
-                                      m)
+        partitions[base] = _minimized(tagged, loss, optimizer, startup, mbs, kind, m)  # the placement's only build
     main, start, loss_name, options, plans = partitions[base]
     programs = {}
     for rc in (False, True) if recompute else (False,):
         key = (kind.split_backward, rc)
         if key not in plans:
             if rc and not (timed or len(layout) <= subsets.EXHAUSTIVE_UP_TO
-                           or _misses(programs[False][2], mbs, caps)):
+                           or _over(programs[False][2].memory.devices(mbs), caps)):
                 break
             plans[key] = plan_with(main, loss_name, replace(options, schedule=kind.name, recompute=rc))
         plan = plans[key]
@@ -209,9 +208,10 @@ def _minimized(main, loss, optimizer, startup, mbs: int, kind, m: int) -> tuple:
     return main, start, var.name, opt.options, {(kind.split_backward, False): opt.plan}
 
 
-def _misses(plan: Plan, mbs: int, caps) -> bool:
-    """Whether a device of ``plan`` is over its cap."""
-    return any(caps[d.device] is not None and d.total > caps[d.device] for d in plan.memory.devices(mbs))
+def _over(devices: Sequence[DeviceMemory], caps) -> dict[str, int]:
+    """Each of ``devices`` over its cap -> by how many bytes."""
+    return {d.device: d.total - caps[d.device] for d in devices
+            if caps[d.device] is not None and d.total > caps[d.device]}
 
 
 def _timed(builds: list, batch: dict, steps: int) -> list:
@@ -232,20 +232,16 @@ def _priced(kind, built: _Built, mbs: int, caps, whole: bool, efficiency: float 
         stages = tuple(built.stages[s in recomputed][s] for s in range(p))
         return MemoryModel(stages, built.ranks, built.stage_ranks, vectors).devices(mbs)
 
-    def over(devices: Sequence[DeviceMemory]) -> dict[str, int]:
-        return {d.device: d.total - caps[d.device] for d in devices
-                if caps[d.device] is not None and d.total > caps[d.device]}
-
     forward = {a.stage: c for a, c in built.costs[False].items() if a.kind is Kind.F}
     priced = subsets.recompute_subsets(
-        built.stage_ranks, whole, lambda rc: {d.rank: over([d]).get(d.device, 0) for d in memory(rc)},
+        built.stage_ranks, whole, lambda rc: {d.rank: _over([d], caps).get(d.device, 0) for d in memory(rc)},
         lambda s: forward.get(s, 0.0)) if True in built.stages else [()]
     out = []
     for recomputed in priced:
         devices = memory(recomputed)
         step = _simulated_step(built, recomputed) / (efficiency or 1.0)
         out.append(Candidate(kind.name, built.policy, built.devices, tuple(built.placement.bounds), recomputed,
-                             step, tuple(devices), over(devices)))
+                             step, tuple(devices), _over(devices, caps)))
     return out
 
 

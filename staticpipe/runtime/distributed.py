@@ -39,7 +39,7 @@ import numpy as np
 
 from .._paddle import core, paddle
 from .channel import Channel, Message, PipelineAborted
-from ..placement import connects_lazily, cuda_device_count, parse_device, process_gpu, transfer_device
+from ..placement import connects_lazily, cuda_device_count, place_of, process_gpu, transfer_device
 
 STORE_TIMEOUT_S = 900  # how long a group's rendezvous waits for its members
 _GROUPS_MADE = itertools.count()  # same sequence on every rank: groups are made in the same order
@@ -49,15 +49,14 @@ class DistributedChannel(Channel):
     """Point-to-point and all-reduce between the ranks of one ``paddle.distributed`` job.
 
     ``stage_ranks[s]`` is the pipeline rank that runs stage ``s``; the job holds ``world / pipeline_size``
-    replicas of the pipeline. ``device_place`` is this process's device: tensors travel from there with
-    NCCL (a GPU job), or from host memory with gloo.
+    replicas of the pipeline. Tensors travel from this process's own GPU with NCCL (a GPU job), or from
+    host memory with gloo (``placement.transfer_device``).
     """
 
     def __init__(self, stage_ranks: list[int], pipeline_size: int):
         import paddle.distributed as dist
         self._dist = dist
-        device = transfer_device(dist.get_backend(), process_gpu())
-        self._place = paddle.CPUPlace() if device == "cpu" else paddle.CUDAPlace(parse_device(device).index)
+        self._place = place_of(transfer_device(dist.get_backend(), process_gpu()))
         self.rank, size = dist.get_rank(), dist.get_world_size()
         self.replicas = size // pipeline_size
         replica, pipeline_rank = divmod(self.rank, pipeline_size)

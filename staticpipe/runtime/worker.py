@@ -10,6 +10,7 @@ never reads an op to learn what to send.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -71,20 +72,15 @@ class DeviceWorker:
         return ctx
 
     def execute(self, run: Run, scope: core._Scope, fetch: tuple[str, ...] = ()) -> None:
-        ctx = self._ctx.get((run, fetch))
-        if ctx is not None:  # the common case, every action after a run's first: nothing else to decide
-            self._exe.run_prepared_ctx(ctx, scope, False, True, True)
-            if self._cuda:
-                core._cuda_synchronize(self.place)
+        ctx = self._ctx.get((run, fetch))  # the common case, every run after its first: nothing else to decide
+        if ctx is None and run.program is None:
             return
-        if run.program is None:
-            return
-        if is_pir_program(run.program):
+        if ctx is None and is_pir_program(run.program):
             if self._pir is None:
                 self._pir = PirRuns(self.place, self.scope)
             self._pir.execute(run, scope, fetch)
         else:
-            self._exe.run_prepared_ctx(self.prepare(run, fetch), scope, False, True, True)
+            self._exe.run_prepared_ctx(ctx if ctx is not None else self.prepare(run, fetch), scope, False, True, True)
         if self._cuda:  # kernels run on the device's own stream; values leave it only once they are done
             core._cuda_synchronize(self.place)
 
@@ -250,15 +246,8 @@ class DeviceWorker:
 
 
 VARYING = -1  # held bytes that differ between micro-batches: measured every time
-_NP_DTYPE: dict = {}  # Paddle dtype -> numpy name: Paddle's conversion costs microseconds, per message
-
-
-def _numpy_name(paddle_dtype) -> str:
-    name = _NP_DTYPE[paddle_dtype] = np_dtype(paddle_dtype)
-    return name
-
-
 MEASURED_STEPS = 2
+_numpy_name = functools.lru_cache(maxsize=None)(np_dtype)  # Paddle's conversion costs microseconds, per message
 
 
 def _check_cut(var: CutVar, tensor: core.LoDTensor, micro_batch_size: int | None) -> None:
@@ -268,7 +257,6 @@ def _check_cut(var: CutVar, tensor: core.LoDTensor, micro_batch_size: int | None
     if got != want and (len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got))):
         raise ValueError(f"cut variable '{var.name}' has shape {list(got)}, but the plan compiled "
                          f"{list(want)}")
-    paddle_dtype = tensor._dtype()
-    if _NP_DTYPE.get(paddle_dtype) != var.dtype and _numpy_name(paddle_dtype) != var.dtype:
-        raise ValueError(f"cut variable '{var.name}' has dtype {np_dtype(tensor._dtype())}, but the plan compiled "
-                         f"{var.dtype}")
+    dtype = _numpy_name(tensor._dtype())
+    if dtype != var.dtype:
+        raise ValueError(f"cut variable '{var.name}' has dtype {dtype}, but the plan compiled {var.dtype}")

@@ -67,7 +67,8 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
         for q in waiting.pop(what, ()):
             heapq.heappush(now_visit if q > current else later, q)
 
-    def finish(r: int, later: list[int], now_visit: list[int], current: int) -> None:
+    def finish(r: int, later: list[int], now_visit: list[int]) -> None:
+        """End rank ``r``'s action; ranks it wakes after ``r`` are visited in this round, the others and ``r`` next."""
         nonlocal at_barrier, busy
         a = schedule[r][ptr[r]]
         events.append((r, a, started.pop(r), now))
@@ -76,17 +77,17 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
         busy -= r in sharing
         if a.kind is Kind.SEND:
             done.add((a.route, a.microbatch))
-            wake((a.route, a.microbatch), later, now_visit, current)
+            wake((a.route, a.microbatch), later, now_visit, r)
         elif a.kind is not Kind.RECV:
             for h in a.halves():
                 done.add(h.key)
-                wake(h.key, later, now_visit, current)
+                wake(h.key, later, now_visit, r)
         was = ptr[r] >= first_opt[r]
         ptr[r] += 1
         if not was and ptr[r] >= first_opt[r]:
             at_barrier += 1
             if at_barrier == len(ranks):
-                wake(BARRIER, later, now_visit, current)
+                wake(BARRIER, later, now_visit, r)
         heapq.heappush(later, r)  # its next action: visited in the next round, as a full visit would
 
     visit = list(ranks)  # a heap of the ranks to visit this round
@@ -111,7 +112,7 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
                 busy += r in sharing
                 left[slot[r]] = work
                 if work <= EPS:
-                    finish(r, later, visit, r)
+                    finish(r, later, visit)
             visit = later
         if not running:
             break  # every rank is done (``execute`` has already ruled out a deadlock)
@@ -121,7 +122,7 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
         now += step
         left -= rate * step
         for i in np.flatnonzero(left <= EPS * max(1.0, now)).tolist():  # in rank order
-            finish(ranks[i], visit, visit, ranks[i])
+            finish(ranks[i], visit, visit)
     return events
 
 
