@@ -26,7 +26,6 @@ sys.path.insert(0, ROOT)
 
 def run_one(args) -> dict:
     import staticpipe
-    staticpipe.use_legacy_ir()  # on Paddle 3: models' ResNet is built with legacy-only layers (paddle.static.nn.conv2d)
     from models import build_mlp, build_resnet
     import paddle  # after staticpipe, which settles Paddle's IR flag
 

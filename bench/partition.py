@@ -26,7 +26,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
-staticpipe.use_legacy_ir()  # on Paddle 3: profile and auto_place read legacy programs (README "PIR programs")
 from models import build_gpt, build_resnet  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from paddle.base import core  # noqa: E402

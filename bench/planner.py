@@ -31,7 +31,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
-staticpipe.use_legacy_ir()  # on Paddle 3: profile and auto_place read legacy programs (README "PIR programs")
 from staticpipe._paddle import paddle  # noqa: E402
 from staticpipe.ir import tensor_bytes  # noqa: E402
 from staticpipe.memory_model import human_bytes  # noqa: E402

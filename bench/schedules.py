@@ -41,7 +41,6 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
-staticpipe.use_legacy_ir()  # on Paddle 3: auto_place and profile read legacy programs (README "PIR programs")
 from models import Network, build_mlp, build_resnet  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from paddle.base import core  # noqa: E402

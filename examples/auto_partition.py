@@ -18,9 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
 
-# profile and auto_place read legacy programs, and models' ResNet is built with legacy-only layers
-# (paddle.static.nn.conv2d): on Paddle 3 this script opts in to the legacy IR (README "PIR programs")
-staticpipe.use_legacy_ir()
 from models import build_resnet  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from paddle.base import core  # noqa: E402

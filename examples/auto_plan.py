@@ -19,9 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
 
-# auto_plan profiles, and profiling reads legacy programs: on Paddle 3 this script opts in to the legacy
-# IR (README "PIR programs"); on Paddle 2.6 nothing changes
-staticpipe.use_legacy_ir()
 from models import build_gpt  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from staticpipe.memory_model import human_bytes  # noqa: E402

@@ -20,8 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
 
-# save_plan writes legacy program descs: on Paddle 3 this script opts in to the legacy IR (README "PIR programs")
-staticpipe.use_legacy_ir()
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 
@@ -56,7 +54,7 @@ def train(args: argparse.Namespace) -> None:
     main, startup = staticpipe.load_plan(args.dir)  # under staticpipe.launch: this rank's stages only
     plan = staticpipe.plan_of(main)
     print(plan)
-    features, label = main.global_block().var("features"), main.global_block().var("label")
+    features, label = staticpipe.variable(main, "features"), staticpipe.variable(main, "label")
     loader = staticpipe.io.DataLoader.from_generator(feed_list=[features, label], capacity=8, iterable=False)
     # a loader batch is one micro-batch (Paddle's pipeline convention): --batch is the global batch
     loader.set_batch_generator(argmax_batches(args.steps * plan.num_microbatches, args.batch // plan.num_microbatches,

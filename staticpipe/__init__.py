@@ -7,6 +7,7 @@ from ._paddle import use_legacy_ir
 from .optimizer import PipelineOptimizer
 from .placement import Device, device_guard, parse_device, split_point
 from .plan import Plan, plan_of
+from .ir import variable
 from .runtime import NonFiniteError, StageError
 from .executor import Executor
 from .checkpoint import load, save
@@ -18,4 +19,5 @@ from . import fleet  # noqa: E402  (Paddle's fleet names, after the executor it 
 
 __all__ = ["Device", "device_guard", "parse_device", "split_point", "PipelineOptimizer", "Plan", "Executor", "StageError", "NonFiniteError",
            "plan_of", "io", "schedule", "verify", "VerifyReport", "save", "load", "export_inference",
-           "auto_place", "auto_plan", "profile", "save_plan", "load_plan", "use_legacy_ir", "fleet"]
+           "auto_place", "auto_plan", "profile", "save_plan", "load_plan", "use_legacy_ir", "fleet",
+           "variable"]

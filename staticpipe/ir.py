@@ -71,13 +71,6 @@ def var_names(items: Sequence | Any | None, program: Any = None) -> list[str]:
     return names
 
 
-def refuse_pir(program: Any, what: str) -> None:
-    """``ValueError`` naming ``what`` when ``program`` is a PIR program, which ``what`` does not take yet."""
-    if is_pir_program(program):
-        raise ValueError(f"{what} does not take PIR programs yet (Paddle 3's default IR); build the program in "
-                         "legacy-IR mode for it (STATICPIPE_LEGACY_IR=1, see README)")
-
-
 def program_view(program: Any) -> Any:
     """``program`` as the passes read it: itself (legacy IR), or the ``PirView`` its plan was built from
     (a PIR program pipelined by ``PipelineOptimizer.minimize``)."""
@@ -87,6 +80,13 @@ def program_view(program: Any) -> Any:
     if view is None:
         raise ValueError("this PIR program was not pipelined by staticpipe.PipelineOptimizer.minimize")
     return view
+
+
+def variable(program: Any, name: str) -> Any:
+    """Variable ``name`` of a pipelined ``program`` as Paddle's APIs take it (a loader's ``feed_list``, a
+    fetch list): the legacy ``Variable``, or the PIR value the rewrite named so. A program read back by
+    ``load_plan`` has no model code around it to hold its variables; this finds them on either IR."""
+    return program_view(program).var(name).value if is_pir_program(program) else program.global_block().var(name)
 
 
 def fetch_target(program: Any, name: str) -> Any:

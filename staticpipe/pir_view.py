@@ -115,6 +115,7 @@ class PirView:
         from paddle.autograd.backward_utils import ValueDict
 
         self.program = program
+        self.gradients = grads  # what it was built from, for a saved plan to build it again (saved_pir.py)
         self.names = ValueDict()
         self.vars: dict[str, PirVar] = {}
         self.free_ops: dict[str, Any] = {}

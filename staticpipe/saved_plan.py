@@ -2,18 +2,23 @@
 which a process loads and runs its stages without the model code.
 
 A saved plan directory holds:
-- ``plan.json``: the format version and every field of the ``Plan`` (stages, devices, ranks, each
-  section's feeds, keep list and routes, the cut variables with their shapes and dtypes, the schedule's
-  name and action lists in text form, data variables and their specs, loss, shared parameters, notes,
-  micro-batch size and count), the programs' random seeds and whether a scheduler file exists;
+- ``plan.json``: the format version, which names the programs' IR (``2``: legacy, ``"pir-2"``: PIR), and
+  every field of the ``Plan`` (stages, devices, ranks, each section's feeds, keep list and routes, the cut
+  variables with their shapes and dtypes, the schedule's name and action lists in text form, data variables
+  and their specs, loss, shared parameters, notes, micro-batch size and count), the programs' random seeds
+  and whether a scheduler file exists; of PIR programs, also what Paddle's format leaves out (``saved_pir.py``);
 - ``stage-<s>/<kind>.pdmodel``: each section program as Paddle's serialized ``ProgramDesc`` (protobuf);
-- ``main.pdmodel``, ``startup.pdmodel``: the whole single-device program (its data variables are the
-  DataLoader's ``feed_list``; it is the reference ``verify`` trains) and the startup program that
-  initialises every stage;
+  PIR: ``stage-<s>/<kind>.json``, Paddle's PIR format (``saved_pir.py``);
+- ``main.pdmodel``, ``startup.pdmodel`` (PIR: ``.json``): the whole single-device program (its data
+  variables are the DataLoader's ``feed_list``; it is the reference ``verify`` trains) and the startup
+  program that initialises every stage;
 - ``lr_scheduler.pkl``: the learning-rate scheduler, when the optimizer has one.
 
 Why one file per section: a rank reads only its own stages' files, so a machine needs only those
-(and the main and startup programs), as PipeDream ships each worker its own stage.
+(and the main and startup programs), as PipeDream ships each worker its own stage. Why the IR in the format
+version: a process builds and runs programs of one IR (Paddle 2.6 and Paddle 3's legacy-IR mode legacy ones,
+Paddle 3 by default PIR ones), so a plan of the other IR is refused by name when its plan.json is read,
+before any program is (and a staticpipe older than PIR plans refuses a ``"pir-2"`` as an unknown format).
 """
 from __future__ import annotations
 
@@ -22,21 +27,25 @@ import json
 import os
 import pickle
 from dataclasses import MISSING, fields
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping
 
-from ._paddle import framework, paddle
+from ._paddle import PADDLE_MAJOR, framework, paddle
 from .atomic import atomic_directory, recover_directory
-from .ir import refuse_pir
+from .ir import is_pir_program
 from .memory_model import MemoryModel, StageMemory
 from .pickled_arrays import ALLOWED
+from .pir_ir import pir_mode
 from .placement import launched_world
 from .plan import (OPTIMIZE, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of,
                    require_plan)
 from .rewrite import section_runs
+from .saved_pir import read_programs, section_reader, write_programs
 from .schedule import format_schedule, lower, parse_schedule
 from .schedule.actions import COMM_KINDS, Schedule
 
 FORMAT_VERSION = 2  # 2: exchanges of the optimize sections
+PIR_FORMAT = f"pir-{FORMAT_VERSION}"  # the same plan of PIR programs
 PLAN_FILE, MAIN_FILE, STARTUP_FILE, SCHEDULER_FILE = "plan.json", "main.pdmodel", "startup.pdmodel", "lr_scheduler.pkl"
 
 
@@ -58,7 +67,6 @@ def save_plan(program: framework.Program, directory: str,
     Loading never runs code: the pickle may name only Paddle's scheduler classes (``paddle.optimizer.lr``)
     and numpy scalars, which ``save_plan`` checks before it writes anything.
     """
-    refuse_pir(program, "save_plan")
     plan = require_plan(program, "save_plan")
     startup = startup_program or paddle.static.default_startup_program()
     if plan_of(startup) is not plan:
@@ -69,17 +77,23 @@ def save_plan(program: framework.Program, directory: str,
         raise ValueError(f"save_plan needs every stage's section programs, but stages {unloaded} were not loaded "
                          "in this process")
     scheduler = _pickled_scheduler(program)
+    pir = is_pir_program(program)
     with atomic_directory(directory, PLAN_FILE, "a saved plan") as tmp:
+        description = {"format": PIR_FORMAT if pir else FORMAT_VERSION, "plan": _encode_plan(plan),
+                       "lr_scheduler": scheduler is not None,
+                       "random_seeds": {"main": program.random_seed, "startup": startup.random_seed}}
         for stage in plan.stages:
             os.makedirs(os.path.join(tmp, f"stage-{stage.index}"))
-            for kind, section in stage.sections.items():
-                _write(tmp, section_file(stage.index, kind), section.program.desc.serialize_to_string())
-        _write(tmp, MAIN_FILE, program.desc.serialize_to_string())
-        _write(tmp, STARTUP_FILE, startup.desc.serialize_to_string())
+        if pir:
+            description["pir"] = write_programs(tmp, plan, program, startup)
+        else:
+            for stage in plan.stages:
+                for kind, section in stage.sections.items():
+                    _write(tmp, section_file(stage.index, kind), section.program.desc.serialize_to_string())
+            _write(tmp, MAIN_FILE, program.desc.serialize_to_string())
+            _write(tmp, STARTUP_FILE, startup.desc.serialize_to_string())
         if scheduler is not None:
             _write(tmp, SCHEDULER_FILE, scheduler)
-        description = {"format": FORMAT_VERSION, "plan": _encode_plan(plan), "lr_scheduler": scheduler is not None,
-                       "random_seeds": {"main": program.random_seed, "startup": startup.random_seed}}
         _write(tmp, PLAN_FILE, json.dumps(description, indent=1).encode())
 
 
@@ -166,11 +180,10 @@ def load_plan(directory: str, stages: Iterable[int] | None = None
     plan_file = _existing(directory, PLAN_FILE, "the plan written by staticpipe.save_plan")
     description = _read_description(plan_file)
     # a plan is immutable: the stages to load are found on a plan without programs, then it is built whole
-    wanted = set(_stages_to_load(_decode_plan(description["plan"], plan_file), stages, plan_file))
-    plan = _decode_plan(description["plan"], plan_file, lambda s, kind: _read_program(
-        directory, section_file(s, kind), f"the stage {s} {kind} section") if s in wanted else None)
-    main = _read_program(directory, MAIN_FILE, "the main program")
-    startup = _read_program(directory, STARTUP_FILE, "the startup program")
+    pir = description["format"] == PIR_FORMAT
+    wanted = set(_stages_to_load(_decode_plan(description["plan"], plan_file, pir), stages, plan_file))
+    read = _read_pir if pir else _read_legacy
+    plan, main, startup = read(directory, description, plan_file, wanted)
     main.random_seed = description["random_seeds"]["main"]
     startup.random_seed = description["random_seeds"]["startup"]
     if description["lr_scheduler"]:
@@ -181,6 +194,30 @@ def load_plan(directory: str, stages: Iterable[int] | None = None
     return main, startup
 
 
+def _read_legacy(directory: str, description: dict[str, Any], plan_file: str, wanted: set[int]) -> tuple:
+    """(plan, main, startup) of a plan of legacy programs; a section's runs made from its program as the
+    rewrite made them."""
+    def section(s: int, kind: str, fields_: dict[str, Any]) -> tuple:
+        if s not in wanted:
+            return None, ()
+        program = _read_program(directory, section_file(s, kind), f"the stage {s} {kind} section")
+        return program, section_runs(program, kind, fields_["keep"], fields_["comm_ops"])
+
+    return (_decode_plan(description["plan"], plan_file, False, section),
+            _read_program(directory, MAIN_FILE, "the main program"),
+            _read_program(directory, STARTUP_FILE, "the startup program"))
+
+
+def _read_pir(directory: str, description: dict[str, Any], plan_file: str, wanted: set[int]) -> tuple:
+    """(plan, main, startup) of a plan of PIR programs (``saved_pir.py``): a section's runs are programs of
+    their own, read as saved."""
+    if "pir" not in description:
+        raise ValueError(f"{plan_file!r} lacks the field 'pir'")
+    existing = partial(_existing, directory)
+    plan = _decode_plan(description["plan"], plan_file, True, section_reader(description["pir"], existing, wanted))
+    return (plan, *read_programs(description["pir"], existing))
+
+
 def _existing(directory: str, name: str, what: str) -> str:
     path = os.path.join(directory, name)
     if not os.path.exists(path):
@@ -189,11 +226,23 @@ def _existing(directory: str, name: str, what: str) -> str:
 
 
 def _read_description(plan_file: str) -> dict[str, Any]:
+    """plan.json, checked to hold a plan of the programs this process builds (see the module docstring)."""
     with open(plan_file) as f:
         description = json.load(f)
-    version = description.get("format")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{plan_file!r} has plan format {version!r}; this staticpipe reads format {FORMAT_VERSION}")
+    version, pir = description.get("format"), pir_mode()
+    if version == PIR_FORMAT and not pir:
+        why = (f"Paddle {paddle.__version__} has no PIR; load it with Paddle 3" if PADDLE_MAJOR < 3 else
+               "legacy-IR mode; load it in PIR mode: Paddle 3's default, without STATICPIPE_LEGACY_IR=1 or "
+               "staticpipe.use_legacy_ir(), or inside paddle.pir_utils.IrGuard()")
+        raise ValueError(f"{plan_file!r} holds a plan of PIR programs (format {PIR_FORMAT!r}, Paddle 3's default "
+                         f"IR), but this process builds legacy-IR programs ({why})")
+    if version == FORMAT_VERSION and pir:
+        raise ValueError(f"{plan_file!r} holds a plan of legacy-IR programs (format {FORMAT_VERSION}), but this "
+                         "process builds PIR programs (Paddle 3's default IR); load it in legacy-IR mode "
+                         "(STATICPIPE_LEGACY_IR=1 or staticpipe.use_legacy_ir(), see README)")
+    if version not in (FORMAT_VERSION, PIR_FORMAT):
+        reads = PIR_FORMAT if pir else FORMAT_VERSION
+        raise ValueError(f"{plan_file!r} has plan format {version!r}; this staticpipe reads format {reads!r}")
     return description
 
 
@@ -232,15 +281,18 @@ def _tuples(data: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
-def _decode_plan(data: dict[str, Any], plan_file: str,
-                 read: Callable[[int, str], framework.Program | None] = lambda stage, kind: None) -> Plan:
-    """The plan ``_encode_plan`` wrote, with the section programs ``read(stage, kind)`` gives (None:
-    another process runs that stage)."""
+SectionReader = Callable[[int, str, dict], tuple[Any, tuple]]
+
+
+def _decode_plan(data: dict[str, Any], plan_file: str, pir: bool,
+                 read: SectionReader = lambda stage, kind, fields_: (None, ())) -> Plan:
+    """The plan ``_encode_plan`` wrote, of programs of PIR or not, with the section programs and runs
+    ``read(stage, kind, fields)`` gives ((None, ()): another process runs that stage)."""
     try:
         routes = tuple(Route(r["index"], SectionRef(**r["src"]), SectionRef(**r["dst"]),
                              tuple(CutVar(**_tuples(v)) for v in r["vars"])) for r in data["routes"])
         decoded = dict(
-            stages=tuple(_decode_stage(st, read, plan_file) for st in data["stages"]),
+            stages=tuple(_decode_stage(st, read, plan_file, pir) for st in data["stages"]),
             routes=routes,
             exchanges=tuple(Exchange(**_tuples({k: v for k, v in ex.items() if k != "vars"}),
                                      vars=tuple(CutVar(**_tuples(v)) for v in ex["vars"])) for ex in data["exchanges"]),
@@ -267,16 +319,20 @@ def _decode_memory(data: dict[str, Any] | None) -> MemoryModel | None:
                        {int(rank): tuple(tuple(v) for v in vectors) for rank, vectors in data["inflight"].items()})
 
 
-def _decode_stage(data: dict[str, Any], read: Callable[[int, str], framework.Program | None], plan_file: str) -> Stage:
+def _decode_stage(data: dict[str, Any], read: SectionReader, plan_file: str, pir: bool) -> Stage:
+    """A stage; a section's exchanges checked against its communication ops (legacy: exchange k is the k-th)
+    or, once read, its runs (PIR programs hold no communication ops: exchange k comes after run k)."""
     sections = {}
     for kind, sec in data["sections"].items():
         fields_ = _tuples(sec)
-        program = read(data["index"], kind)
-        if len(fields_["exchanges"]) != (len(fields_["comm_ops"]) if kind == OPTIMIZE else 0):
+        if not pir and len(fields_["exchanges"]) != (len(fields_["comm_ops"]) if kind == OPTIMIZE else 0):
             raise ValueError(f"{plan_file!r}: the stage {data['index']} {kind} section has "
                              f"{len(fields_['exchanges'])} exchanges but "
                              f"{len(fields_['comm_ops'])} communication ops")
-        runs = () if program is None else section_runs(program, kind, fields_["keep"], fields_["comm_ops"])
+        program, runs = read(data["index"], kind, fields_)
+        if pir and runs and len(runs) != len(fields_["exchanges"]) + 1:
+            raise ValueError(f"{plan_file!r}: the stage {data['index']} {kind} section has "
+                             f"{len(fields_['exchanges'])} exchanges but {len(runs)} runs")
         sections[kind] = Section(program=program, runs=runs, **fields_)
     return Stage(**_tuples({k: v for k, v in data.items() if k != "sections"}), sections=sections)
 

@@ -82,7 +82,10 @@ def check_placement(program: framework.Program, plan: Plan) -> PlacementCheck:
         for section in stage.sections.values():
             for i in section.source_ops:
                 runs[i] = runs.get(i, 0) + 1
-    check = PlacementCheck(ops=len(block.ops), parameters=len(block.all_parameters()))
+    # PIR declares a scheduled learning rate a parameter (``builtin.parameter``): it is the optimizer's, as on
+    # the legacy IR, and no stage owns it
+    params = [p for p in block.all_parameters() if p.name != getattr(program, "lr_name", None)]
+    check = PlacementCheck(ops=len(block.ops), parameters=len(params))
     for i, op in enumerate(block.ops):
         label = f"#{i} {op.type}"
         count = runs.get(i, 0)
@@ -94,7 +97,7 @@ def check_placement(program: framework.Program, plan: Plan) -> PlacementCheck:
             check.placed_once += 1
         else:
             check.duplicated.append(label)
-    for param in block.all_parameters():
+    for param in params:
         owners = [s.index for s in plan.stages if param.name in s.parameters]
         if not owners and any(param.name in op.input_arg_names for op in block.ops):
             check.unowned.append(param.name)

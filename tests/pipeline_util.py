@@ -36,11 +36,8 @@ class Twin:
 LEGACY_ONLY = {  # tests that train twins on the legacy IR only -> why they cannot run on a PIR program
     "test_adam_family_equals_single_device_up_to_its_own_rounding_noise":
         "its rounding-noise reference is Paddle's gradient merge, which builds legacy programs only",
-    "test_gpt_with_adamw_warmup_cosine_and_global_norm_clipping":
-        "the same rounding-noise reference; and it reads the clip's norms from the reference's legacy ops",
     "test_tied_embedding_with_active_global_norm_clipping_where_every_stage_owns_parameters":
         "it reads the clip's per-parameter norms from the reference's legacy ops (squared_l2_norm)",
-    "test_dlrm_with_embeddings_on_a_cpu_stage": "it finds the dense layers by the legacy ops that use them",
     "test_gpt_tied_embedding_adamw_clipping_over_four_stages":
         "AMP: Paddle 3.3.1 trains no PIR AMP program on a CPU (docs/pir.md)",
     "test_gpt_parity_fails_when_stages_clip_by_their_local_norm":
@@ -49,10 +46,6 @@ LEGACY_ONLY = {  # tests that train twins on the legacy IR only -> why they cann
         "it reads the clip's per-parameter norms from the reference's legacy ops (squared_l2_norm)",
     "test_adam_family_check_fails_on_a_wrong_tensor":
         "its twin (the adam_twin fixture) measures rounding noise with Paddle's gradient merge, legacy only",
-    "test_training_after_auto_place_equals_single_device_mlp":
-        "profile (and so auto_place by measured times) reads legacy programs only (docs/pir.md)",
-    "test_training_after_auto_place_equals_single_device_gpt":
-        "profile (and so auto_place by measured times) reads legacy programs only (docs/pir.md)",
 }
 current_test: tuple[str, bool] | None = None  # (the running test, whether it takes program_ir): conftest.py
 
@@ -131,13 +124,14 @@ def train_reference(builder: Callable, make_opt: Callable, initial: dict[str, np
 
 
 def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_size: int = 16,
-                same_batch: bool = False, noise: bool = False, **pipeline) -> Twin:
-    """Train ``builder(guarded=False)`` on one device and ``builder()`` as a pipeline from the same
-    initial parameters on the same batches (one batch per step, or the same one every step); return both
+                same_batch: bool = False, noise: bool = False, reload: Callable | None = None, **pipeline) -> Twin:
+    """Train ``builder(guarded=False)`` on one device and ``builder()`` as a pipeline (minimized here, unless
+    the builder pipelined it itself) from the same initial parameters on the same batches (one batch per step, or the same one every step); return both
     runs' losses and final parameters, the pipeline's plan and, where the optimizer clips by global norm,
     the reference's pre-clip gradient norms of every step. ``noise``: also measure the reference's own
     rounding noise, training it twice more (gradient merge over the pipeline's micro-batches; the
-    samples of every batch reversed)."""
+    samples of every batch reversed). ``reload(main, startup)``: the programs the pipeline trains instead of
+    the minimized ones (``staticpipe.load_plan`` of their saved plan), its loss fetched by name."""
     check_ir_coverage()
     ref, pipe = builder(guarded=False), builder()
     pir = paddle.framework.in_pir_mode()
@@ -146,7 +140,11 @@ def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_siz
         raise ValueError("train_twins(noise=True) measures rounding noise with Paddle's gradient merge, which "
                          "builds legacy programs only")
     minimize(ref, make_opt(), None)
-    minimize(pipe, make_opt(), pipeline)
+    if staticpipe.plan_of(pipe.main) is None:  # else its builder pipelined it (auto_plan)
+        minimize(pipe, make_opt(), pipeline)
+    if reload is not None:
+        pipe.main, pipe.startup = reload(pipe.main, pipe.startup)
+        pipe.loss = staticpipe.plan_of(pipe.main).loss
     ref_exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
     with paddle.static.scope_guard(scope):  # PIR's executor keeps a scheduled learning rate in the global scope
         ref_exe.run(ref.startup)
@@ -189,6 +187,22 @@ def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_siz
 def parameter_names(program) -> list[str]:
     """The parameters of a legacy or PIR program, in the program's order."""
     return [p.name for p in program.global_block().all_parameters()]
+
+
+def evaluation_net(net, builder: Callable, **build):
+    """``net`` (built by ``builder(**build)``, not yet minimized) as an evaluation network: its program in
+    test mode (dropout passes values through, batch norm reads its running statistics and leaves them).
+    Legacy IR: ``net.main.clone(for_test=True)``, its variables fetched by name. A PIR program has no such
+    clone: the network built again (the same parameter names) with each op's ``is_test`` attribute set."""
+    import dataclasses
+
+    if not is_pir_program(net.main):
+        return dataclasses.replace(net, main=net.main.clone(for_test=True))
+    again = builder(**build)
+    for op in again.main.global_block().ops:
+        if op.has_attr("is_test"):
+            op.set_bool_attr("is_test", True)
+    return again
 
 
 def assert_same_training(twin: Twin, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -325,8 +339,10 @@ def dense_layers(program) -> list[tuple[str, str]]:
 
 def parameter_owners(program) -> list[str]:
     """The layers owning ``program``'s parameters, in creation order, each once: the part of a parameter's
-    name before its last dot (Paddle names a layer's parameters ``<layer>.<kind>_<k>``)."""
-    return list(dict.fromkeys(p.name.rsplit(".", 1)[0] for p in program.all_parameters()))
+    name before its last dot (Paddle names a layer's parameters ``<layer>.<kind>_<k>``). A PIR program lists
+    its parameters newest first (each one's op is inserted at the start of the block)."""
+    names = parameter_names(program)
+    return list(dict.fromkeys(n.rsplit(".", 1)[0] for n in (names[::-1] if is_pir_program(program) else names)))
 
 
 def op_vars(program, op_type: str, slot: str) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 
 import staticpipe
 from models import build_mlp, build_resnet
-from pipeline_util import dense_layers, minimize
+from pipeline_util import dense_layers, evaluation_net, minimize, parameter_names, parameter_owners
 from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,16 +37,38 @@ def reference_with_state(ref, exe, net):
     return pexe, scope
 
 
-def test_checkpoint_round_trips_and_is_paddles_format(tmp_path):
-    net, exe = trained(num_stages=3)
+def first_weight(program):
+    """The first dense layer's weight (of the program's first layer) on either IR."""
+    first = parameter_owners(program)[0]
+    return next(n for n in parameter_names(program) if n.startswith(first + ".w"))
+
+
+def test_checkpoint_round_trips_and_is_paddles_format(tmp_path, program_ir):
+    net = build_mlp(num_stages=3)
+    adam = minimize(net, paddle.optimizer.Adam(0.01), dict(num_microbatches=2)).inner
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    for step in range(2):
+        exe.run(net.main, feed=net.random_batch(8, seed=step))
     path = str(tmp_path / "ck")
     staticpipe.save(net.main, path, exe)
     assert sorted(os.listdir(path)) == ["meta.json", "model.pdopt", "model.pdparams"]
     state = exe.state_dict(net.main)
+    accumulators = {v.name for per_param in adam._accumulators.values() for v in per_param.values()}
+    assert len(accumulators) >= 2 * len(parameter_names(net.main)) and accumulators <= set(state)  # Adam's state
+    later = [float(exe.run(net.main, feed=net.random_batch(8, seed=step), fetch_list=[net.loss])[0])
+             for step in (2, 3)]
     fresh_net, fresh = trained(num_stages=3, steps=0)
     assert staticpipe.load(fresh_net.main, path, fresh)["step"] == 2 and fresh.global_step == 2
-    for name, value in fresh.state_dict(fresh_net.main).items():
+    restored = fresh.state_dict(fresh_net.main)
+    assert restored.keys() == state.keys()
+    for name, value in restored.items():
         np.testing.assert_array_equal(value, state[name], err_msg=name)
+    # the same training from the same saved state: the same losses, the same bits
+    assert [float(fresh.run(fresh_net.main, feed=net.random_batch(8, seed=step), fetch_list=[fresh_net.loss])[0])
+            for step in (2, 3)] == later
+    for name, value in fresh.state_dict(fresh_net.main).items():
+        np.testing.assert_array_equal(value, exe.state_dict(net.main)[name], err_msg=name)
     # into the single-device program with Paddle's own loader, and back
     ref = build_mlp(num_stages=3, guarded=False)
     minimize(ref, paddle.optimizer.Adam(0.01), None)
@@ -60,9 +82,10 @@ def test_checkpoint_round_trips_and_is_paddles_format(tmp_path):
         os.makedirs(tmp_path / "single")
         paddle.static.save(ref.main, str(tmp_path / "single" / "model"))
     staticpipe.load(fresh_net.main, str(tmp_path / "single"), fresh)
-    weight = dense_layers(fresh_net.main)[0][0]
+    weight = first_weight(fresh_net.main)
     np.testing.assert_array_equal(fresh.state_dict(fresh_net.main)[weight],
                                   np.array(scope.find_var(weight).get_tensor()))
+    exe.close(), fresh.close()
 
 
 def test_a_checkpoint_of_another_program_is_refused(tmp_path):
@@ -141,40 +164,53 @@ def test_periodic_checkpoints_keep_the_last_n(tmp_path):
     lambda guarded=True: build_mlp(num_stages=3, guarded=guarded),
     lambda guarded=True: build_resnet(num_stages=2, guarded=guarded, width=8, image_size=16)],
     ids=["mlp", "resnet-batchnorm"])
-def test_pipelined_evaluation_equals_single_device(builder):
+def test_pipelined_evaluation_equals_single_device(builder, program_ir):
+    """The evaluation program runs as a forward-only pipeline on the trained stages (a PIR program has no
+    ``clone(for_test=True)``: the forward network built again, ``pipeline_util.evaluation_net``)."""
     net = builder()
-    test = net.main.clone(for_test=True)
+    test = evaluation_net(net, builder)
+    assert sorted(parameter_names(test.main)) == sorted(parameter_names(net.main))  # the same parameters
     minimize(net, paddle.optimizer.Momentum(0.05, momentum=0.9), dict(num_microbatches=2))
     exe = staticpipe.Executor()
     exe.run(net.startup)
     for step in range(2):
         exe.run(net.main, feed=net.random_batch(8, seed=step))
-    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=test.feeds, iterable=True)
     loader.set_sample_generator(net.sample_reader(40), batch_size=8)
-    got = exe.evaluate(test, loader, [net.loss, net.outputs["accuracy"]], num_microbatches=2, like=net.main)
+    got = exe.evaluate(test.main, loader, [test.loss, test.outputs["accuracy"]], num_microbatches=2, like=net.main)
+    assert staticpipe.plan_of(test.main).schedule == "forward-only"
     # the reference: the unguarded twin's evaluation program on the same trained values, batch by batch
-    ref = builder(guarded=False)
-    ref_test = ref.main.clone(for_test=True)
-    pexe, scope = reference_with_state(ref, exe, net)
+    ref_test = evaluation_net(builder(guarded=False), builder, guarded=False)
+    pexe, scope = reference_with_state(ref_test, exe, net)
     sums = np.zeros(2)
     for batch in loader.epoch():
-        sums += 8 * np.array([float(v) for v in pexe.run(ref_test, feed=batch, scope=scope,
-                                                         fetch_list=[ref.loss.name, ref.outputs["accuracy"].name])])
+        sums += 8 * np.array([float(v) for v in pexe.run(ref_test.main, feed=batch, scope=scope,
+                                                         fetch_list=[ref_test.loss, ref_test.outputs["accuracy"]])])
     np.testing.assert_allclose(got, sums / 40, rtol=1e-5)
     assert exe.global_step == 2  # evaluation does not count as training
 
 
-def test_inference_export_runs_in_plain_paddle(tmp_path):
-    net, exe = trained(builder=build_resnet, num_stages=2, width=8, image_size=16,
-                       optimizer=lambda: paddle.optimizer.Momentum(0.05, momentum=0.9))
+@pytest.mark.parametrize("builder, batch_name", [
+    (lambda guarded=True: build_mlp(num_stages=2, guarded=guarded), "features"),
+    (lambda guarded=True: build_resnet(num_stages=2, guarded=guarded, width=8, image_size=16), "image")],
+    ids=["mlp", "resnet-batchnorm"])
+def test_inference_export_runs_in_plain_paddle(tmp_path, builder, batch_name, program_ir):
+    """Paddle's ``load_inference_model`` (the legacy or the PIR format) computes from the exported model what
+    the unguarded network computes in test mode from the pipeline's trained state."""
+    net = builder()
+    minimize(net, paddle.optimizer.Momentum(0.05, momentum=0.9), dict(num_microbatches=2))
+    exe = staticpipe.Executor()
+    exe.run(net.startup)
+    for step in range(2):
+        exe.run(net.main, feed=net.random_batch(8, seed=step))
     path = str(tmp_path / "inference" / "model")
     staticpipe.export_inference(net.main, [net.feeds[0]], [net.outputs["logits"]], path, exe)
-    ref = build_resnet(num_stages=2, guarded=False, width=8, image_size=16)
-    ref_test = ref.main.clone(for_test=True)
-    pexe, scope = reference_with_state(ref, exe, net)
+    ref_test = evaluation_net(builder(guarded=False), builder, guarded=False)
+    pexe, scope = reference_with_state(ref_test, exe, net)
     batch = net.random_batch(4, seed=5)
-    expected = pexe.run(ref_test, feed=batch, fetch_list=[ref.outputs["logits"].name], scope=scope)[0]
+    expected = pexe.run(ref_test.main, feed=batch, fetch_list=[ref_test.outputs["logits"]], scope=scope)[0]
     with paddle.static.scope_guard(paddle.static.Scope()):
         program, feeds, fetches = paddle.static.load_inference_model(path, pexe)
-        got = pexe.run(program, feed={feeds[0]: batch["image"]}, fetch_list=fetches)[0]
+        assert feeds == [batch_name]
+        got = pexe.run(program, feed={feeds[0]: batch[batch_name]}, fetch_list=fetches)[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

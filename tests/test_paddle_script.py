@@ -7,8 +7,8 @@ import re
 import pytest
 
 import staticpipe
-from models import build_mlp
-from pipeline_util import minimize
+from models import build_mlp, build_resnet
+from pipeline_util import evaluation_net, minimize, parameter_names
 from staticpipe._paddle import core, np, paddle
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,7 +45,7 @@ def reference(samples: int, steps: int):
         chunk = rows[k * M * MBS:(k + 1) * M * MBS]
         feed = {name: np.stack([r[i] for r in chunk]) for i, name in enumerate(["features", "label"])}
         losses.append(float(exe.run(net.main, feed=feed, fetch_list=[net.loss], scope=scope)[0]))
-    params = {p.name: np.array(scope.find_var(p.name).get_tensor()) for p in net.main.all_parameters()}
+    params = {name: np.array(scope.find_var(name).get_tensor()) for name in parameter_names(net.main)}
     return losses, params
 
 
@@ -58,7 +58,7 @@ def assert_equal_training(history, exe, net, samples, steps):
         np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_the_seed_script_trains_on_micro_batch_loader_batches(capsys):
+def test_the_seed_script_trains_on_micro_batch_loader_batches(capsys, program_ir):
     """``train_from_dataset(main)`` with no dataset reads the started loader; each loader batch is one
     micro-batch, so a step is single-device training on M concatenated loader batches."""
     net = pipelined()
@@ -190,26 +190,38 @@ def test_micro_batch_sizes_must_agree():
         exe.train_from_dataset(net.main, mixed)
 
 
-def test_infer_from_dataset_runs_the_forward_and_updates_nothing(capsys):
-    net = pipelined()
+@pytest.mark.parametrize("builder", [lambda guarded=True: build_mlp(num_stages=2, guarded=guarded),
+                                     lambda guarded=True: build_resnet(num_stages=2, guarded=guarded, width=8,
+                                                                       image_size=16)],
+                         ids=["mlp", "resnet-batchnorm"])
+def test_infer_from_dataset_runs_the_forward_in_test_mode_and_updates_nothing(capsys, builder, program_ir):
+    """A training program runs its forward as its test-mode twin (a legacy ``clone(for_test=True)``; on PIR,
+    which has none, its forward ops cloned with ``is_test`` set): batch norm reads the trained running
+    statistics and leaves them. Each step's values are what the network computes in test mode on one
+    device from the trained state, on the step's loader batches (each one micro-batch)."""
+    net = builder()
+    minimize(net, momentum(), dict(num_microbatches=M))
     exe = staticpipe.Executor()
     exe.run(net.startup)
+    exe.run(net.main, feed=net.random_batch(M * MBS, seed=7))  # running statistics that are not the initial ones
     before = exe.state_dict(net.main)
     started_loader(net, samples=2 * M * MBS)
     history = exe.infer_from_dataset(net.main, fetch_list=[net.loss])
     assert re.search(rf"^inferred 2 steps, {2 * M * MBS} samples in ", capsys.readouterr().err, re.M)
-    ref = build_mlp(num_stages=2, guarded=False)
-    test = ref.main.clone(for_test=True)
+    test = evaluation_net(builder(guarded=False), builder, guarded=False)
     plain, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
-    plain.run(ref.startup, scope=scope)
+    plain.run(test.startup, scope=scope)
+    for name, value in before.items():
+        scope.var(name).get_tensor().set(value, paddle.CPUPlace())
     rows = list(net.sample_reader(2 * M * MBS)())
+    names = [v.name for v in net.feeds]
     for k, values in enumerate(history):
         chunk = rows[k * M * MBS:(k + 1) * M * MBS]
-        feed = {name: np.stack([r[i] for r in chunk]) for i, name in enumerate(["features", "label"])}
-        want = plain.run(test, feed=feed, fetch_list=[ref.loss.name], scope=scope)[0]
+        feed = {name: np.stack([r[i] for r in chunk]) for i, name in enumerate(names)}
+        want = plain.run(test.main, feed=feed, fetch_list=[test.loss], scope=scope)[0]
         np.testing.assert_allclose(values[0], want, rtol=1e-5)
-    assert len(history) == 2 and exe.global_step == 0
-    for name, value in exe.state_dict(net.main).items():
+    assert len(history) == 2 and exe.global_step == 1
+    for name, value in exe.state_dict(net.main).items():  # nothing updated, running statistics neither
         np.testing.assert_array_equal(value, before[name], err_msg=name)
 
 

@@ -10,9 +10,12 @@ import pytest
 
 import staticpipe
 from models import build_gpt, build_mlp, build_resnet
-from staticpipe._paddle import OP_DEVICE, paddle
+from models.network import fresh_names
+from staticpipe._paddle import OP_DEVICE, np, paddle
+from staticpipe.ir import is_pir_program
 from staticpipe.partition import group_layers, policies
 from staticpipe.partition.layers import forward_ops
+from staticpipe.partition.tags import readable
 from staticpipe.verify import check_placement
 from tests.pipeline_util import assert_same_training, dense_layers, minimize, op_vars, parameter_owners, train_twins
 
@@ -29,6 +32,15 @@ def _gpt():
 def gpt_profile():
     net = _gpt()
     return staticpipe.profile(net.main, net.random_batch(8), startup=net.startup)
+
+
+@pytest.fixture(scope="module")
+def legacy_mlp_profile():
+    """The legacy IR's profile of the MLP ``test_profile_rows_flops_and_exports`` profiles on both IRs (module
+    fixtures are made before ``program_ir`` enters PIR)."""
+    net = build_mlp(num_stages=1, guarded=False, in_dim=64, hidden=256, depth=4)
+    assert not is_pir_program(net.main)
+    return staticpipe.profile(net.main, net.random_batch(16), startup=net.startup, repeat=2)
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +116,17 @@ def test_layers_keep_writers_of_one_variable_together():
 
 # --- profile ---------------------------------------------------------------------------------------
 
-def test_profile_rows_flops_and_exports(tmp_path):
+def test_profile_rows_flops_and_exports(program_ir, legacy_mlp_profile, tmp_path):
+    """One profile row per forward op of the program (as ``auto_place`` reads it, a PIR program through its
+    view), FLOPs and bytes from the real tensors; on PIR every byte figure is the legacy profile's (the
+    models build both IRs' networks with the same parameter names and ops)."""
     net = build_mlp(num_stages=1, guarded=False, in_dim=64, hidden=256, depth=4)
     prof = staticpipe.profile(net.main, net.random_batch(16), startup=net.startup, repeat=2)
-    assert [r.index for r in prof.ops] == forward_ops(net.main)
+    assert [r.index for r in prof.ops] == forward_ops(readable(net.main))
     owners = parameter_owners(net.main)
     assert [r.name for r in prof.layers] == owners and len(owners) == 5
     mul = prof.op(0)
-    assert mul.type == "mul" and mul.flops == 2 * 16 * 64 * 256
+    assert mul.type == ("matmul" if program_ir == "pir" else "mul") and mul.flops == 2 * 16 * 64 * 256
     assert mul.param_bytes == 64 * 256 * 4 and mul.activation_bytes == 16 * 256 * 4
     assert all(r.forward_s > 0 for r in prof.ops)
     assert all(r.backward_s > 0 for r in prof.ops if r.type in ("mul", "elementwise_add", "relu"))
@@ -131,6 +146,13 @@ def test_profile_rows_flops_and_exports(tmp_path):
     with pytest.raises(ValueError) as err:
         staticpipe.partition.Profile.from_json(tmp_path / "ops.csv")
     assert str(err.value).startswith(f"{tmp_path / 'ops.csv'} is not a profile written by Profile.to_json")
+    legacy = legacy_mlp_profile
+    assert prof.param_bytes == legacy.param_bytes and prof.batch_size == legacy.batch_size
+    assert sum(prof.var_bytes.values()) == sum(legacy.var_bytes.values())
+    assert [(r.name, r.param_bytes, r.activation_bytes, r.saved_bytes, r.flops) for r in prof.layers] == [
+        (r.name, r.param_bytes, r.activation_bytes, r.saved_bytes, r.flops) for r in legacy.layers]
+    assert [(r.activation_bytes, r.saved_bytes, r.flops) for r in prof.ops] == [
+        (r.activation_bytes, r.saved_bytes, r.flops) for r in legacy.ops]
 
 
 def test_profile_of_a_minimized_program_times_its_own_backward():
@@ -153,13 +175,45 @@ def test_profile_takes_the_first_batch_of_a_loader():
     loader.reset()
 
 
-def test_profile_names_a_missing_feed():
+def test_profile_names_a_missing_feed(program_ir):
     net = build_mlp(num_stages=1, guarded=False)
     batch = net.random_batch(4)
     del batch["label"]
     with pytest.raises(ValueError, match=r"feed has no value for data variable 'label', which op #\d+ "
-                                         r"'softmax_with_cross_entropy' reads"):
+                                         r"'(softmax_with_cross_entropy|cross_entropy_with_softmax)' reads"):
         staticpipe.profile(net.main, batch)
+
+
+def _one_wide_layer(width: int = 256):
+    """Five dense layers of 32 units; the middle one (layer 2) a matmul ``width`` times wider, averaged back to
+    32 features by parameter-free ops (its layer's too): most of the network's time, in one layer."""
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    with paddle.static.program_guard(main, startup), fresh_names():
+        h = paddle.static.data("x", [None, 32], "float32")
+        for k in range(5):
+            if k == 2:
+                h = paddle.mean(paddle.reshape(paddle.static.nn.fc(h, 32 * width), [-1, 32, width]), axis=-1)
+            else:
+                h = paddle.static.nn.fc(h, 32, activation="relu")
+        paddle.mean(h)
+    return main, startup
+
+
+def test_measured_times_put_the_expensive_layer_on_a_stage_of_its_own(program_ir):
+    """The profile gives the wide layer the larger cost (more than twice either pair of its neighbours, with
+    room for a loaded machine's timing), and ``auto_place`` by measured times (profiling the program itself,
+    ``feed=``) gives it a stage alone: the only 3-stage cut whose slowest stage is that layer alone."""
+    main, startup = _one_wide_layer()
+    batch = {"x": np.random.default_rng(0).standard_normal((16, 32)).astype("float32")}
+    prof = staticpipe.profile(main, batch, startup=startup)
+    assert [r.index for r in prof.ops] == forward_ops(readable(main))
+    cost = [layer.forward_s + layer.backward_s for layer in prof.layers]
+    wide = prof.layers[2]
+    assert len(cost) == 5 and wide.param_bytes == (32 * 32 * 256 + 32 * 256) * 4
+    assert cost[2] > 2 * max(cost[0] + cost[1], cost[3] + cost[4]), [f"{c * 1e6:.0f} us" for c in cost]
+    placement = staticpipe.auto_place(main, num_stages=3, policy="time", feed=batch)
+    assert placement.bounds == [0, 2, 3, 5] and placement.stages[1].layers == (wide.name,)
+    assert placement.stages[1].forward_s + placement.stages[1].backward_s == max(s.time_s for s in placement.stages)
 
 
 # --- policies ------------------------------------------------------------------------------------
@@ -321,15 +375,17 @@ def _placed(build, **auto):
     return builder
 
 
-def test_training_after_auto_place_equals_single_device_mlp():
+def test_training_after_auto_place_equals_single_device_mlp(program_ir):
     batch = build_mlp(num_stages=1, guarded=False).random_batch(4)  # auto_place profiles on it
     twin = train_twins(_placed(lambda: build_mlp(num_stages=1, guarded=False), num_stages=2, feed=batch),
                        lambda: paddle.optimizer.Momentum(0.05, momentum=0.9), steps=3, num_microbatches=4)
     assert_same_training(twin, rtol=1e-5)
 
 
-def test_training_after_auto_place_equals_single_device_gpt(gpt_profile):
-    twin = train_twins(_placed(_gpt, num_stages=3, policy="time", profile=gpt_profile),
+def test_training_after_auto_place_equals_single_device_gpt(program_ir):
+    net = _gpt()  # profiled once on this IR, placed by it in every build (the same ops, the same names)
+    prof = staticpipe.profile(net.main, net.random_batch(8), startup=net.startup, repeat=1)
+    twin = train_twins(_placed(_gpt, num_stages=3, policy="time", profile=prof),
                        lambda: paddle.optimizer.Momentum(0.05, momentum=0.9), steps=3, num_microbatches=4)
     assert_same_training(twin, rtol=1e-5)
 

@@ -1,6 +1,7 @@
 """Saved plans (staticpipe.save_plan / load_plan): a loaded plan trains exactly like the original program,
 in this process, in a process without the model code, and as one process per stage that holds only its
-own stage's files."""
+own stage's files; on both program IRs (``program_ir``), and a plan of one IR is refused by a process that
+builds the other's programs."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,17 +12,20 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Mapping
+from functools import partial
 
 import pytest
 
 import staticpipe
 from models import build_gpt, build_mlp
-from pipeline_util import minimize
-from staticpipe._paddle import np, paddle
-from staticpipe.ir import ALLREDUCE_SUM
-from staticpipe.plan import OPTIMIZE, WEIGHT, plan_of
+from pipeline_util import assert_same_training, minimize, train_twins
+from staticpipe._paddle import PADDLE_MAJOR, np, paddle
+from staticpipe.ir import ALLREDUCE_SUM, is_pir_program
+from staticpipe.pir_ir import FEEDS, HANDED_OVER, VALUES, VIEW
+from staticpipe.plan import OPTIMIZE, SUM, WEIGHT, plan_of
 from staticpipe.schedule import Kind
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,14 +42,23 @@ CASES = {
 }
 
 
-def build(model: str = "mlp", stages: int = 2, schedule: str = "1F1B", scheduler: bool = False,
-          clip: bool = False, devices: list[str] | None = None, micro_batch_size: int | None = None):
-    net = build_gpt(num_stages=stages) if model == "gpt" else build_mlp(num_stages=stages, hidden=32,
-                                                                        stage_devices=devices)
+def network(model: str = "mlp", stages: int = 2, devices: list[str] | None = None, **_):
+    """The builder of a case's network (``guarded=False``: its single-device twin)."""
+    return partial(build_gpt, num_stages=stages) if model == "gpt" else partial(build_mlp, num_stages=stages,
+                                                                                 hidden=32, stage_devices=devices)
+
+
+def optimizer(scheduler: bool = False, clip: bool = False, **_):
     lr = paddle.optimizer.lr.StepDecay(0.1, step_size=1, gamma=0.5) if scheduler else 0.1
     grad_clip = paddle.nn.ClipGradByGlobalNorm(0.5) if clip else None
-    minimize(net, paddle.optimizer.Momentum(lr, momentum=0.9, grad_clip=grad_clip),
-             dict(num_microbatches=4, schedule=schedule, micro_batch_size=micro_batch_size))
+    return paddle.optimizer.Momentum(lr, momentum=0.9, grad_clip=grad_clip)
+
+
+def build(model: str = "mlp", stages: int = 2, schedule: str = "1F1B", scheduler: bool = False,
+          clip: bool = False, devices: list[str] | None = None, micro_batch_size: int | None = None):
+    net = network(model, stages, devices)()
+    minimize(net, optimizer(scheduler, clip), dict(num_microbatches=4, schedule=schedule,
+                                                   micro_batch_size=micro_batch_size))
     return net
 
 
@@ -82,16 +95,47 @@ def assert_same_run(got: tuple[list, dict], want: tuple[list, dict]) -> None:
         np.testing.assert_array_equal(got[1][name], value, err_msg=name)
 
 
-def canonical(program) -> bytes:
+def canonical(program) -> bytes | tuple:
     """``program`` serialized as Paddle parses it back: parsing moves an op's extra (runtime) attributes,
-    such as ``use_mkldnn`` at its default, out of the serialized form, so only parsed programs compare."""
+    such as ``use_mkldnn`` at its default, out of the serialized form, so only parsed programs compare.
+    A PIR program: ``pir_form``."""
+    if is_pir_program(program):
+        return pir_form(program)
     return paddle.static.deserialize_program(program.desc.serialize_to_string()).desc.serialize_to_string()
+
+
+def pir_form(program) -> tuple:
+    """A PIR program printed (ops, attributes, values in order) as Paddle reads it back from its own format,
+    which writes a parameter's flags in full (an absent ``need_clip`` as false, ...) and no ``op_device``;
+    the devices; and the names staticpipe gives its values, each by its position (op index, result index), as
+    PIR values have no names of their own: a section's (what the runtime feeds, keeps and hands over), the
+    main program's view's (and each viewed op's forward op), the learning rate's."""
+    ops = list(program.global_block().ops)
+    index = {op: i for i, op in enumerate(ops)}
+
+    def at(value) -> tuple[int, int]:
+        return index[value.get_defining_op()], value.index()
+
+    twin, parsed = program.clone(), paddle.pir.Program()
+    for op in twin.global_block().ops:
+        if op.has_attr("op_device"):
+            op.erase_attr("op_device")  # Paddle's writer refuses it on parameters
+    with tempfile.TemporaryDirectory() as tmp:
+        paddle.base.core.serialize_pir_program(twin, os.path.join(tmp, "program.json"), True, False, True)
+        paddle.base.core.deserialize_pir_program(os.path.join(tmp, "program.json"), parsed, -1)
+    view = getattr(program, VIEW, None)
+    return (str(parsed), [op.str_attr("op_device") if op.has_attr("op_device") else None for op in ops],
+            {name: at(v) for name, v in getattr(program, VALUES, {}).items()},
+            getattr(program, FEEDS, None), getattr(program, HANDED_OVER, None),
+            None if view is None else ({name: at(v.value) for name, v in view.vars.items()},
+                                       [None if op.forward is None else index[op.forward] for op in view.ops]),
+            getattr(program, "lr_name", None))
 
 
 def comparable(value):
     """A plan as nested plain data, each program (sections and their runs) in its canonical serialized
     form: plans, stages, sections and programs are entities that compare by identity."""
-    if isinstance(value, paddle.static.Program):
+    if isinstance(value, paddle.static.Program) or is_pir_program(value):
         return canonical(value)
     if dataclasses.is_dataclass(value):
         return {f.name: comparable(getattr(value, f.name)) for f in dataclasses.fields(value)}
@@ -103,7 +147,7 @@ def comparable(value):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_loaded_plan_trains_exactly_like_the_original(tmp_path, case):
+def test_a_loaded_plan_trains_exactly_like_the_original(tmp_path, case, program_ir):
     net = build(**CASES[case])
     main, startup = staticpipe.load_plan(saved(net, tmp_path))
     plan = plan_of(main)
@@ -112,14 +156,32 @@ def test_a_loaded_plan_trains_exactly_like_the_original(tmp_path, case):
     if CASES[case]["schedule"] == "DualPipeV":
         assert all(any(a.kind is Kind.FB for a in acts) for acts in plan.actions.values())
     if CASES[case].get("clip"):
-        optimize_ops = [[op.type for op in st.sections[OPTIMIZE].program.global_block().ops] for st in plan.stages]
-        assert plan.shared and all(ALLREDUCE_SUM[0] in ops for ops in optimize_ops)
+        assert plan.shared and [ex.kind for ex in plan.exchanges].count(SUM) == 1
+        if program_ir == "legacy":  # its optimize sections show the exchange as Paddle's all-reduce op
+            optimize_ops = [[op.type for op in st.sections[OPTIMIZE].program.global_block().ops]
+                            for st in plan.stages]
+            assert all(ALLREDUCE_SUM[0] in ops for ops in optimize_ops)
+    assert is_pir_program(main) == is_pir_program(plan.stages[0].sections[OPTIMIZE].program) == (program_ir == "pir")
     feeds = batches(net)
     assert_same_run(train(main, startup, feeds), train(net.main, net.startup, feeds))
 
 
+@pytest.mark.parametrize("case", ["mlp-1F1B-lr-scheduler", "gpt-tied-embedding-global-norm-clip"])
+def test_a_loaded_plan_trains_like_one_device(tmp_path, case, program_ir):
+    """The loaded plan against the same network trained on one device from the same initial values."""
+    def reload(main, startup):
+        staticpipe.save_plan(main, str(tmp_path / "plan"), startup)
+        return staticpipe.load_plan(str(tmp_path / "plan"))
+
+    c = CASES[case]
+    twin = train_twins(network(**c), partial(optimizer, **c), steps=4, batch_size=8, reload=reload,
+                       num_microbatches=4, schedule=c["schedule"], micro_batch_size=c.get("micro_batch_size"))
+    assert is_pir_program(twin.plan.stages[0].sections["forward"].program) == (program_ir == "pir")
+    assert_same_training(twin)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_the_round_trip_keeps_every_field_of_the_plan_and_the_programs(tmp_path, case):
+def test_the_round_trip_keeps_every_field_of_the_plan_and_the_programs(tmp_path, case, program_ir):
     net = build(**CASES[case])
     original = plan_of(net.main)
     main, startup = staticpipe.load_plan(saved(net, tmp_path))
@@ -138,14 +200,14 @@ def test_the_round_trip_keeps_every_field_of_the_plan_and_the_programs(tmp_path,
         assert not hasattr(main, "lr_scheduler")
 
 
-def test_the_loaded_main_program_is_the_single_device_reference(tmp_path):
+def test_the_loaded_main_program_is_the_single_device_reference(tmp_path, program_ir):
     net = build(**CASES["mlp-1F1B-lr-scheduler"])
     main, startup = staticpipe.load_plan(saved(net, tmp_path))
     report = staticpipe.verify(main, batches(net), startup, steps=3)
     assert report.ok, str(report)
 
 
-def test_checkpoints_move_between_the_original_and_the_loaded_program(tmp_path):
+def test_checkpoints_move_between_the_original_and_the_loaded_program(tmp_path, program_ir):
     net = build(**CASES["mlp-1F1B-lr-scheduler"])
     main, startup = staticpipe.load_plan(saved(net, tmp_path))
     feeds = batches(net)
@@ -173,12 +235,16 @@ WITHOUT_MODEL_CODE = textwrap.dedent("""
     import sys
     import numpy as np
     import staticpipe
-    directory, data, out = sys.argv[1:]
+    from staticpipe.ir import fetch_target, is_pir_program
+    directory, data, out, ir = sys.argv[1:]
     main, startup = staticpipe.load_plan(directory)
+    assert is_pir_program(main) == (ir == "pir")
     plan = staticpipe.plan_of(main)
     saved = np.load(data)
     steps = sorted({key.split("/")[0] for key in saved})
-    feed_list = [main.global_block().var(name) for name in plan.data_specs]
+    # the data variables: a PIR program's values have no names of their own, the plan's view names them
+    feed_list = [fetch_target(main, name) if is_pir_program(main) else main.global_block().var(name)
+                 for name in plan.data_specs]
     loader = staticpipe.io.DataLoader.from_generator(feed_list=feed_list, capacity=2, iterable=False)
     global_batches = ({n: saved[f"{s}/{n}"] for n in plan.data_specs} for s in steps)
     # a loader batch is one micro-batch: each saved global batch goes in as its micro-batches
@@ -194,31 +260,41 @@ WITHOUT_MODEL_CODE = textwrap.dedent("""
 """)
 
 
+def script_env(program_ir: str) -> dict[str, str]:
+    """The environment of a script a test starts: staticpipe from this checkout; for PIR, without the suite's
+    legacy-IR opt-in (conftest.py), so that the process builds PIR programs as on Paddle 3 by default."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    if program_ir == "pir":
+        for flag in ("STATICPIPE_LEGACY_IR", "FLAGS_enable_pir_api"):
+            env.pop(flag, None)
+    return env
+
+
 def save_batches(feeds: list[dict], path) -> str:
     np.savez(path, **{f"{step}/{name}": value for step, batch in enumerate(feeds) for name, value in batch.items()})
     return str(path)
 
 
-def test_a_process_without_the_model_code_trains_the_saved_plan(tmp_path):
+def test_a_process_without_the_model_code_trains_the_saved_plan(tmp_path, program_ir):
     net = build(**CASES["mlp-1F1B-lr-scheduler"])
     directory, feeds = saved(net, tmp_path), batches(net)
     script = tmp_path / "train_saved.py"
     script.write_text(WITHOUT_MODEL_CODE)
     out = tmp_path / "result.npz"
-    env = dict(os.environ, PYTHONPATH=REPO)  # staticpipe only: the script imports nothing of models/ or tests/
+    env = script_env(program_ir)  # staticpipe only: the script imports nothing of models/ or tests/
     proc = subprocess.run([sys.executable, str(script), directory, save_batches(feeds, tmp_path / "data.npz"),
-                           str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+                           str(out), program_ir], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = dict(np.load(out))
     losses = result.pop("losses")
     assert_same_run((list(losses), result), train(net.main, net.startup, feeds))
 
 
-def test_a_rank_loads_only_its_own_stages(tmp_path, monkeypatch):
+def test_a_rank_loads_only_its_own_stages(tmp_path, monkeypatch, program_ir):
     net = build(**CASES["mlp-1F1B-lr-scheduler"])
     directory = saved(net, tmp_path)
     shutil.rmtree(os.path.join(directory, "stage-1"))
-    missing = os.path.join(directory, "stage-1", "forward.pdmodel")
+    missing = os.path.join(directory, "stage-1", "forward.json" if program_ir == "pir" else "forward.pdmodel")
     with pytest.raises(FileNotFoundError) as err:
         staticpipe.load_plan(directory)
     assert str(err.value) == f"{missing!r} does not exist: it holds the stage 1 forward section"
@@ -248,9 +324,11 @@ PER_RANK = textwrap.dedent("""
     import os, sys
     import numpy as np
     import staticpipe
+    from staticpipe.ir import is_pir_program
     rank = os.environ["PADDLE_TRAINER_ID"]
-    directory, data, out = sys.argv[1:]
+    directory, data, out, ir = sys.argv[1:]
     main, startup = staticpipe.load_plan(os.path.join(directory, f"rank-{rank}"))
+    assert is_pir_program(main) == (ir == "pir")
     plan = staticpipe.plan_of(main)
     saved = np.load(data)
     exe = staticpipe.Executor()
@@ -265,7 +343,7 @@ PER_RANK = textwrap.dedent("""
 """)
 
 
-def test_each_process_loads_only_its_stage_and_matches_the_threaded_run(tmp_path):
+def test_each_process_loads_only_its_stage_and_matches_the_threaded_run(tmp_path, program_ir):
     net = build(model="mlp", stages=2, schedule="1F1B", scheduler=True, clip=True)
     directory, feeds = saved(net, tmp_path), batches(net)
     for rank, other in ((0, 1), (1, 0)):  # each rank's directory lacks the other stage's files
@@ -273,10 +351,9 @@ def test_each_process_loads_only_its_stage_and_matches_the_threaded_run(tmp_path
         shutil.rmtree(tmp_path / "ranks" / f"rank-{rank}" / f"stage-{other}")
     script = tmp_path / "per_rank.py"
     script.write_text(PER_RANK)
-    env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, "-m", "staticpipe.launch", "--nprocs", "2", str(script),
-                           str(tmp_path / "ranks"), save_batches(feeds, tmp_path / "data.npz"), str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=240)
+                           str(tmp_path / "ranks"), save_batches(feeds, tmp_path / "data.npz"), str(tmp_path),
+                           program_ir], env=script_env(program_ir), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = {}
     for rank in (0, 1):
@@ -296,7 +373,7 @@ def edited_copy(directory: str, copy: str, edit) -> str:
     return copy
 
 
-def test_errors_name_what_is_wrong(tmp_path, monkeypatch):
+def test_errors_name_what_is_wrong(tmp_path, monkeypatch, program_ir):
     net = build(**CASES["mlp-1F1B-lr-scheduler"])
     directory = saved(net, tmp_path)
     plan_file = os.path.join(directory, "plan.json")
@@ -343,8 +420,9 @@ def test_errors_name_what_is_wrong(tmp_path, monkeypatch):
     assert message(ValueError, staticpipe.load_plan, copy) == (
         f"{os.path.join(copy, 'plan.json')!r} lacks the plan field 'loss'")
     copy = edited_copy(directory, str(tmp_path / "future"), lambda d: d.update(format=99))
+    reads = "'pir-2'" if program_ir == "pir" else "2"  # the format of this process's IR
     assert message(ValueError, staticpipe.load_plan, copy) == (
-        f"{os.path.join(copy, 'plan.json')!r} has plan format 99; this staticpipe reads format 2")
+        f"{os.path.join(copy, 'plan.json')!r} has plan format 99; this staticpipe reads format {reads}")
     scheduler_file = os.path.join(directory, "lr_scheduler.pkl")
     os.remove(scheduler_file)
     assert message(FileNotFoundError, staticpipe.load_plan, directory) == (
@@ -374,7 +452,7 @@ class Evil:
         return (open, ("/tmp/staticpipe-plan-payload-ran", "w"))
 
 
-def test_loading_a_saved_plan_runs_no_code(tmp_path):
+def test_loading_a_saved_plan_runs_no_code(tmp_path, program_ir):
     net = build(**CASES["mlp-1F1B-lr-scheduler"])
     directory = saved(net, tmp_path)
     payload = "/tmp/staticpipe-plan-payload-ran"
@@ -394,7 +472,7 @@ class MyDecay(paddle.optimizer.lr.StepDecay):
     """A user's own scheduler class: a saved plan could only load it by running its module's code."""
 
 
-def test_save_plan_refuses_a_scheduler_load_plan_would_refuse(tmp_path):
+def test_save_plan_refuses_a_scheduler_load_plan_would_refuse(tmp_path, program_ir):
     net = build_mlp(num_stages=2, hidden=32)
     minimize(net, paddle.optimizer.SGD(MyDecay(0.1, step_size=1)), dict(num_microbatches=2))
     with pytest.raises(ValueError, match=re.escape(
@@ -402,3 +480,52 @@ def test_save_plan_refuses_a_scheduler_load_plan_would_refuse(tmp_path):
             "of Paddle's learning-rate schedulers")):
         staticpipe.save_plan(net.main, str(tmp_path / "plan"), net.startup)
     assert not os.path.exists(tmp_path / "plan")
+
+
+@pytest.mark.skipif(PADDLE_MAJOR < 3, reason="PIR is Paddle 3's program IR")
+def test_a_plan_of_one_ir_is_refused_by_a_process_of_the_other(tmp_path):
+    """This process builds legacy programs (the suite's opt-in, conftest.py), and PIR ones inside IrGuard."""
+    legacy = saved(build(**CASES["mlp-1F1B-lr-scheduler"]), tmp_path, "legacy")
+    with paddle.pir_utils.IrGuard():
+        pir = saved(build(**CASES["mlp-1F1B-lr-scheduler"]), tmp_path, "pir")
+    with pytest.raises(ValueError) as err:
+        staticpipe.load_plan(pir)
+    assert str(err.value) == (
+        f"{os.path.join(pir, 'plan.json')!r} holds a plan of PIR programs (format 'pir-2', Paddle 3's default IR), "
+        "but this process builds legacy-IR programs (legacy-IR mode; load it in PIR mode: Paddle 3's default, "
+        "without STATICPIPE_LEGACY_IR=1 or staticpipe.use_legacy_ir(), or inside paddle.pir_utils.IrGuard())")
+    with paddle.pir_utils.IrGuard(), pytest.raises(ValueError) as err:
+        staticpipe.load_plan(legacy)
+    assert str(err.value) == (
+        f"{os.path.join(legacy, 'plan.json')!r} holds a plan of legacy-IR programs (format 2), but this process "
+        "builds PIR programs (Paddle 3's default IR); load it in legacy-IR mode (STATICPIPE_LEGACY_IR=1 or "
+        "staticpipe.use_legacy_ir(), see README)")
+    with paddle.pir_utils.IrGuard():
+        main, _ = staticpipe.load_plan(pir)
+        assert is_pir_program(main)
+    assert not is_pir_program(staticpipe.load_plan(legacy)[0])
+
+
+@pytest.mark.skipif(PADDLE_MAJOR >= 3, reason="Paddle 2.x has no PIR")
+def test_paddle_2_refuses_a_plan_of_pir_programs(tmp_path):
+    """Paddle 2.6 cannot save a PIR plan: the plan file of a legacy one says it holds PIR programs."""
+    directory = saved(build(**CASES["mlp-1F1B-lr-scheduler"]), tmp_path)
+    copy = edited_copy(directory, str(tmp_path / "pir"), lambda d: d.update(format="pir-2"))
+    with pytest.raises(ValueError) as err:
+        staticpipe.load_plan(copy)
+    assert str(err.value) == (
+        f"{os.path.join(copy, 'plan.json')!r} holds a plan of PIR programs (format 'pir-2', Paddle 3's default IR), "
+        f"but this process builds legacy-IR programs (Paddle {paddle.__version__} has no PIR; load it with Paddle 3)")
+
+
+@pytest.mark.skipif(PADDLE_MAJOR < 3, reason="PIR is Paddle 3's program IR")
+def test_a_pir_program_read_back_with_other_ops_is_refused(tmp_path):
+    """The plan's names point at values by position: a program Paddle reads back otherwise is not trained."""
+    with paddle.pir_utils.IrGuard():
+        directory = saved(build(**CASES["mlp-1F1B-lr-scheduler"]), tmp_path)
+        copy = edited_copy(directory, str(tmp_path / "other"), lambda d: d["pir"]["main"]["ops"].__setitem__(1, "0"))
+        with pytest.raises(ValueError) as err:
+            staticpipe.load_plan(copy)
+    assert str(err.value) == (
+        f"{os.path.join(copy, 'main.json')!r}: Paddle {paddle.__version__} reads back other ops than were saved, so "
+        "the plan's names would point at other values; save the plan again with this Paddle")

@@ -14,6 +14,7 @@ from models import build_mlp
 from staticpipe._paddle import paddle
 from staticpipe.memory_model import human_bytes
 from staticpipe.partition import recompute_subsets
+from tests.pipeline_util import assert_same_training, train_twins
 
 DEVICES = ["gpu:0", "gpu:1"]
 M = 8
@@ -26,6 +27,10 @@ def net():
 
 def adam():
     return paddle.optimizer.Adam(1e-3)
+
+
+def momentum():
+    return paddle.optimizer.Momentum(0.05, momentum=0.9)
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +235,25 @@ def test_in_a_launched_job_it_plans_only_from_a_profile_given(profile, monkeypat
     loaded = staticpipe.partition.Profile.from_json(tmp_path / "profile.json")
     _, launched = plan(loaded, schedules=["1F1B", "V-Min"])
     assert launched.chosen == alone.chosen
+
+
+def test_a_plan_it_measured_and_chose_trains_as_one_device(program_ir):
+    """On either IR, auto_plan profiles the program and times the plans it builds on one micro-batch
+    (``feed=``), applies the fastest, and that pipeline trains as one device does."""
+    reports = []
+
+    def builder(guarded: bool = True):
+        n = net()
+        if guarded:
+            reports.append(staticpipe.auto_plan(n.main, n.loss, momentum, DEVICES, 4, feed=n.random_batch(4),
+                                                startup=n.startup, schedules=["1F1B", "ZB-H1"], recompute="whole",
+                                                time_steps=1))
+        return n
+
+    twin = train_twins(builder, momentum, steps=2, batch_size=16)
+    assert_same_training(twin, rtol=1e-5)
+    report = reports[0]
+    assert report.timed_plans == 3 and report.chosen.step_s == min(c.step_s for c in report.candidates)
+    assert twin.plan.schedule == report.chosen.schedule
+    assert tuple(s.device for s in twin.plan.stages) == report.chosen.devices
+

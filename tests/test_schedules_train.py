@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from functools import partial
@@ -73,17 +74,23 @@ def test_split_and_chunked_schedules_with_batch_norm(schedule):
         np.testing.assert_array_equal(trained[name], value, err_msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "ZB-V", "V-Half", "DualPipeV"])
+@pytest.mark.parametrize("schedule", ["1F1B", "interleaved", "ZB-V", "V-Half", "DualPipeV"])
 def test_chunked_schedules_with_global_norm_clipping(schedule, program_ir):
-    """A rank holding several stages runs their optimize sections together: the global-norm sum adds
-    the local stages' parts before going over the ranks (run one after the other, the first stage's
-    sum would wait forever for the second)."""
+    """The clip's sum of squared norms spans every stage: each stage adds its own, one exchange adds the
+    stages' parts, and every stage scales by the same global norm (1F1B: a stage per rank). A rank holding
+    several stages runs their optimize sections together: the global-norm sum adds the local stages' parts
+    before going over the ranks (run one after the other, the first stage's sum would wait forever for the
+    second)."""
     devices = LAYOUTS[schedule]
     builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices)
 
     def clipped():
         return paddle.optimizer.Momentum(0.1, momentum=0.9, grad_clip=paddle.nn.ClipGradByGlobalNorm(0.05))
-    assert_same_training(train_twins(builder, clipped, num_microbatches=4, schedule=schedule), rtol=1e-5)
+    twin = train_twins(builder, clipped, num_microbatches=4, schedule=schedule)
+    assert_same_training(twin, rtol=1e-5)
+    sums = [ex for ex in twin.plan.exchanges if ex.kind == "sum"]  # one exchange adds the stages' squared norms
+    assert len(sums) == 1 and math.prod(sums[0].vars[0].shape) == 1  # a scalar (0-D on PIR)
+    assert all(len(stage.sections["optimize"].runs) == 2 for stage in twin.plan.stages)  # split at the exchange
 
 
 def test_zb_v_with_a_tied_embedding_owned_and_read_on_one_rank(program_ir):
@@ -104,13 +111,19 @@ def test_zb_v_with_a_tied_embedding_owned_and_read_on_one_rank(program_ir):
     assert_same_training(twin, rtol=1e-5)
 
 
-def test_zero_bubble_sections_split_weight_gradients():
+def test_zero_bubble_sections_split_weight_gradients(program_ir):
     net = build_mlp(num_stages=2)
     minimize(net, momentum(), dict(num_microbatches=4, schedule="ZB-H1"))
     plan = staticpipe.plan_of(net.main)
     for stage in plan.stages:
         bwd = stage.sections["backward"].program.global_block()
         wgt = stage.sections["weight"].program.global_block()
+        if program_ir == "pir":  # each backward op making both kinds of gradient is rebuilt as two halves
+            grads_b = [op for op in bwd.ops if op.name() == "pd_op.matmul_grad"]
+            grads_w = [op for op in wgt.ops if op.name() == "pd_op.matmul_grad"]
+            assert grads_w and all(not op.result(0).initialized() for op in grads_w)  # W: no activation gradient
+            assert all(not op.result(1).initialized() for op in grads_b)  # B: no weight gradient
+            continue
         # B computes no parameter gradient and accumulates nothing; W does both
         assert not any(n.split("@GRAD")[0] in stage.parameters for op in bwd.ops for n in op.output_arg_names)
         assert sorted(op.output("Out")[0] for op in wgt.ops if op.type == "sum") == sorted(stage.grad_buffers)
@@ -121,10 +134,22 @@ def test_custom_schedule_is_validated_and_runs(program_ir):
     twin = train_twins(partial(build_mlp, num_stages=2), momentum, num_microbatches=2,
                        schedule="rank 0: 0F0 0F1 0B1 0B0 0OPT\nrank 1: 1F0 1B0 1F1 1B1 1OPT")
     assert_same_training(twin)
+    assert twin.plan.schedule == "custom"
     deadlock = "rank 0: 0F0 0B0 0F1 0B1 0OPT\nrank 1: 1F0 1F1 1B0 1B1 1OPT"  # rank 0 waits for 1B0 before 0F1
     net = build_mlp(num_stages=2)
     with pytest.raises(ScheduleError, match=r"deadlock"):
         minimize(net, momentum(), dict(num_microbatches=2, schedule=deadlock))
+
+
+def test_a_custom_schedule_runs_a_v_layout_made_with_split_points(program_ir):
+    """``models.build_mlp`` marks each stage boundary with ``split_point``: 4 stages on 2 devices in a V
+    (gpu:0, gpu:1, gpu:1, gpu:0), run by a custom schedule."""
+    v = LAYOUTS["ZB-V"]
+    text = "rank 0: 0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1 0OPT 3OPT\nrank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1OPT 2OPT"
+    twin = train_twins(partial(build_mlp, num_stages=4, stage_devices=v), momentum, num_microbatches=2,
+                       schedule=text)
+    assert_same_training(twin)
+    assert twin.plan.devices == v and len(twin.plan.ranks) == 2 and twin.plan.schedule == "custom"
 
 
 def test_schedule_layout_errors_name_the_fix():

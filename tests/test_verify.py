@@ -97,16 +97,18 @@ def test_verify_catches_stages_that_clip_by_their_local_norm(monkeypatch):
         assert any(m == p or m.startswith(p + "_") for p in stage.parameters for m in wrong), (stage.index, wrong)
 
 
-def test_verify_starts_from_an_executors_current_state():
+def test_verify_starts_from_the_startup_state_or_an_executors_current_state(program_ir):
     net = build_mlp(num_stages=2)
     minimize(net, paddle.optimizer.SGD(0.1), dict(num_microbatches=2))
+    report = staticpipe.verify(net.main, [net.random_batch(8, seed=s) for s in range(2)], net.startup, steps=2)
+    assert report.ok, str(report)
     exe = staticpipe.Executor()
     exe.run(net.startup)
     exe.run(net.main, feed=net.random_batch(8))
     before = exe.state_dict(net.main)
     report = staticpipe.verify(net.main, [net.random_batch(8, seed=s) for s in range(2)], net.startup,
                                steps=2, executor=exe)
-    assert report.ok
+    assert report.ok, str(report)
     for name, value in exe.state_dict(net.main).items():
         np.testing.assert_array_equal(value, before[name])
 

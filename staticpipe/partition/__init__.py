@@ -7,6 +7,7 @@ contiguous stages by a policy (uniform, params, time, memory) and writes each op
 
     layers.py      which ops form a layer (name scopes, parameter owners, ops that must stay together)
     profile.py     per-op measurements on the device -> Profile
+    pir_profile.py the same for a PIR program: each op run alone as a section of one op
     costs.py       Profile: per-op and per-layer costs, tables, CSV, JSON
     policies.py    where to cut: one exact dynamic program, four objectives; pure numpy
     auto_place.py  constraints (guards, split points), the cut, the op tags and the per-stage report

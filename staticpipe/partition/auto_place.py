@@ -157,7 +157,7 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
         raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
     kind = get_kind(schedule)
     check_microbatches(num_microbatches)
-    tagged, program = program, readable(program, profile, feed, split_points)
+    tagged, program = program, readable(program)
     block = program.global_block()
     ops = block.ops
     fwd = forward_ops(program)
@@ -191,7 +191,7 @@ def auto_place(program: framework.Program, num_stages: int | None = None, device
     if profile is None and feed is not None:
         if policy in ("time", "memory"):
             refuse_measuring_in_launched_job(f"auto_place(policy={policy!r}, feed=...)")
-        profile = run_profile(program, feed)
+        profile = run_profile(tagged, feed)  # the program itself: a PIR program is profiled as one
     if profile is None and policy in ("time", "memory"):
         raise ValueError(f"policy {policy!r} needs measured times: pass profile= (staticpipe.profile(...)) or feed=")
     rows = None

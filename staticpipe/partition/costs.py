@@ -5,9 +5,9 @@ from __future__ import annotations
 import csv
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
-from .._paddle import framework
+from .._paddle import core, framework
 from ..rewrite.stages import op_label
 from .layers import Layer
 from .table import format_table, human_bytes
@@ -56,6 +56,19 @@ class Profile:
     param_bytes: dict[str, int] = field(default_factory=dict)  # parameter -> bytes
     var_bytes: dict[str, int] = field(default_factory=dict)  # forward activation -> bytes at the batch
     notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def measured(cls, place: Any, batch: dict, repeat: int, loss: str, rows: list[OpRow], param_bytes: dict[str, int],
+                 var_bytes: dict[str, int], layers: list[Layer], unestimated: set[str]) -> "Profile":
+        """The profile of ``rows`` measured on ``place`` at ``batch``'s size (on either IR), its ``layers``
+        aggregated, and a note naming the op types without a FLOP estimate."""
+        device = f"gpu:{place.get_device_id()}" if isinstance(place, core.CUDAPlace) else "cpu"
+        result = cls(device, int(next(iter(batch.values())).shape[0]), repeat, loss, rows, param_bytes=param_bytes,
+                     var_bytes=var_bytes)
+        result.layers = result.aggregate(layers)
+        if unestimated:
+            result.notes.append(f"FLOPs are not estimated (counted as 0) for op types: {', '.join(sorted(unestimated))}")
+        return result
 
     def op(self, index: int) -> OpRow:
         """The row of the op at ``index`` in the program; ``KeyError`` naming it if it has none."""

@@ -36,7 +36,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
-from ..ir import refuse_pir
+from ..ir import program_view
+from ..pir_ir import is_pir_program, is_pir_value
 from ..memory_model import DeviceMemory, MemoryModel, StageMemory, human_bytes, parse_bytes
 from ..optimizer import PipelineOptimizer
 from ..placement import clone_with_split_points, place_of
@@ -47,6 +48,7 @@ from .auto_place import Placement, auto_place
 from .costs import Profile
 from . import recompute_subsets as subsets
 from .plan_report import Candidate, PlanReport
+from .pir_profile import pir_twin
 from .plan_timing import time_plans
 from .profile import first_batch, refuse_measuring_in_launched_job
 from .profile import profile as run_profile
@@ -60,7 +62,8 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
     """Choose a partition of ``program`` (a forward program without guards, as for ``auto_place``) over
     ``devices``, a schedule and the stages to recompute, for the fastest predicted step whose every device
     stays under ``memory_limit`` (bytes: one number, one per device, or ``{device: bytes}``; None: no cap),
-    then apply it: tag the ops and ``PipelineOptimizer(optimizer(), ...).minimize(loss)``.
+    then apply it: tag the ops and ``PipelineOptimizer(optimizer(), ...).minimize(loss)``. On either IR (a PIR
+    program's ``loss`` is its value).
 
     ``optimizer``: a function making the inner optimizer (each priced plan needs its own). ``feed``: one
     micro-batch (or a loader, whose first batch is used): the op profile is taken on it (unless
@@ -71,11 +74,13 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
     ``recompute_subsets.py``), "whole" none or all of them, False none. ``ValueError``
     saying by how much the best plan misses, per device, when none fits.
     """
-    refuse_pir(program, "auto_plan")
     if recompute not in (True, False, "whole"):
         raise ValueError(f"recompute must be True (every subset of stages), \"whole\" (none or all) or False; got {recompute!r}")
     if not isinstance(time_steps, int) or isinstance(time_steps, bool) or time_steps < 0:
         raise ValueError(f"time_steps must be an integer >= 0, got {time_steps!r}")
+    if is_pir_program(program) and not is_pir_value(loss):
+        raise ValueError(f"auto_plan of a PIR program takes the loss as its value (PIR values have no names of their "
+                         f"own to find it by), got {type(loss).__name__}: {loss!r}")
     devices = list(devices)
     caps = _caps(memory_limit, devices)
     if profile is None or (feed is not None and time_steps):
@@ -104,11 +109,11 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
             continue
         layout = [devices[r] for r in kind.layout(len(devices), chunks)]
         for policy in ("time",) + (("memory",) if any(c is not None for c in caps.values()) and chunks == 1 else ()):
-            placed = _placed(program, profile, layout, policy, kind, num_microbatches, caps, placements)
+            placed = _placed(program, loss, profile, layout, policy, kind, num_microbatches, caps, placements)
             if placed is None:
                 continue
             rc = bool(recompute) and not kind.split_backward
-            builds.append((kind, _built(placed, loss, optimizer, startup, profile.batch_size, kind, compute,
+            builds.append((kind, _built(placed, optimizer, startup, profile.batch_size, kind, compute,
                                         num_microbatches, rc, caps, partitions, batch is not None and time_steps > 0)))
     if not builds:
         raise ValueError("auto_plan: no schedule can run this program: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
@@ -147,23 +152,24 @@ class _Built:
     actions = property(lambda self: self.programs[False][2].actions, doc="the lowered actions, messages included")
 
 
-def _placed(program, profile, layout, policy, kind, m, caps, placements: dict) -> tuple | None:
-    """(placement, the program tagged by it) of ``policy``'s cut over ``layout``; None: it cannot cut it.
-    Made once per layout and policy (``placements``): the time cut does not depend on the schedule; the
-    memory cut does, through its in-flight counts."""
+def _placed(program, loss, profile, layout, policy, kind, m, caps, placements: dict) -> tuple | None:
+    """(placement, the program tagged by it, the loss in that program) of ``policy``'s cut over ``layout``;
+    None: it cannot cut it. Made once per layout and policy (``placements``): the time cut does not depend
+    on the schedule; the memory cut does, through its in-flight counts."""
     where = (tuple(layout), policy, kind.name if policy == "memory" else None)
     if where not in placements:
-        tagged = clone_with_split_points(program)
+        pir = is_pir_value(loss)  # a PIR program's clone has values of its own: its loss is another value
+        tagged, tagged_loss = pir_twin(program, loss) if pir else (clone_with_split_points(program), loss)
         try:
             placements[where] = (auto_place(tagged, devices=list(layout), policy=policy, profile=profile,
                                             schedule=kind.name, num_microbatches=m, memory_limit=_cut_cap(caps)),
-                                 tagged)
+                                 tagged, tagged_loss)
         except ValueError:
             placements[where] = None
     return placements[where]
 
 
-def _built(placed, loss, optimizer, startup, mbs: int, kind, compute, m: int, recompute: bool, caps,
+def _built(placed, optimizer, startup, mbs: int, kind, compute, m: int, recompute: bool, caps,
            partitions: dict, timed: bool) -> _Built:
     """The plans of ``kind`` over the ``placed`` partition, their actions priced from the op profile.
 
@@ -172,7 +178,7 @@ def _built(placed, loss, optimizer, startup, mbs: int, kind, compute, m: int, re
     recompute choice, and every other schedule that runs those sections lowered onto them
     (``rewrite.reschedule``). The every-stage-recomputed plan is built when it can matter: up to
     ``EXHAUSTIVE_UP_TO`` stages, when plans are timed, or when the plan without recompute misses a cap."""
-    placement, tagged = placed
+    placement, tagged, loss = placed
     layout = tuple(s.device for s in placement.stages)
     base = (layout, tuple(placement.bounds))
     if base not in partitions:
@@ -185,7 +191,7 @@ def _built(placed, loss, optimizer, startup, mbs: int, kind, compute, m: int, re
             if rc and not (timed or len(layout) <= subsets.EXHAUSTIVE_UP_TO
                            or _over(programs[False][2].memory.devices(mbs), caps)):
                 break
-            plans[key] = plan_with(main, loss_name, replace(options, schedule=kind.name, recompute=rc))
+            plans[key] = plan_with(program_view(main), loss_name, replace(options, schedule=kind.name, recompute=rc))
         plan = plans[key]
         programs[rc] = (main, start, plan if plan.schedule == kind.name else reschedule(plan, kind.name, compute))
     stages = {rc: plan.memory.stages for rc, (_, _, plan) in programs.items()}
@@ -203,9 +209,8 @@ def _minimized(main, loss, optimizer, startup, mbs: int, kind, m: int) -> tuple:
     start = (startup or paddle.static.default_startup_program()).clone()
     with paddle.static.program_guard(main, start), paddle.utils.unique_name.guard():
         opt = PipelineOptimizer(optimizer(), num_microbatches=m, schedule=kind.name, micro_batch_size=mbs)
-        var = main.global_block().var(loss if isinstance(loss, str) else loss.name)
-        opt.minimize(var)
-    return main, start, var.name, opt.options, {(kind.split_backward, False): opt.plan}
+        opt.minimize(loss if is_pir_value(loss) else main.global_block().var(getattr(loss, "name", loss)))
+    return main, start, opt.plan.loss, opt.options, {(kind.split_backward, False): opt.plan}
 
 
 def _over(devices: Sequence[DeviceMemory], caps) -> dict[str, int]:

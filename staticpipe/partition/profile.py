@@ -8,7 +8,8 @@ the values are real, so data-dependent kernels (embedding lookups, losses) do re
 
 The backward: a gradient op belongs to the forward op whose gradient it computes, found by the rule the
 rewrite finds its stage with (``rewrite.stages.latest_gradient_source``). A program without backward
-ops is differentiated on a throw-away clone.
+ops is differentiated on a throw-away clone. A PIR program is measured by ``pir_profile.py`` into the
+same ``Profile``.
 """
 from __future__ import annotations
 
@@ -18,19 +19,20 @@ from typing import Any, Callable
 
 from .._paddle import core, framework, np, paddle
 from ..io import DataLoader
-from ..ir import arg_names, clear_device_tags, free_scope, np_dtype, refuse_pir, tensor_bytes
+from ..ir import arg_names, clear_device_tags, free_scope, is_pir_program, np_dtype, tensor_bytes
 from ..placement import generic_place, launched_world, place_of
 from ..rewrite.programs import copy_ops
-from ..rewrite.stages import BWD, FWD, grad_base, latest_gradient_source, op_label, role_of
+from ..rewrite.stages import BWD, FWD, grad_base, gradient_owners, op_label, role_of
 from .costs import OpRow, Profile
 from .layers import group_layers
+from .pir_profile import profile_pir, the_loss
 
-LOSS_OP_TYPES = ("mean", "reduce_mean", "reduce_sum", "sum")  # what usually makes a loss scalar
 
 
 def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader, place: Any = None,
             repeat: int = 3, startup: framework.Program | None = None, loss: Any = None) -> Profile:
-    """Measure every forward op of ``program`` (forward only, or already minimized) on ``place``.
+    """Measure every forward op of ``program`` (forward only, or already minimized; a PIR program: before
+    minimize, see ``pir_profile.py``) on ``place``.
 
     ``feed``: one batch (``{name: array}``) or a ``staticpipe.io.DataLoader`` whose first batch is used;
     profile at the micro-batch size you will train with: the costs are per micro-batch.
@@ -40,12 +42,13 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
     has no backward; by default the one scalar float output no op reads (preferring a mean or sum).
     Timing runs on the calling thread with its intra-op thread budget (``core.set_num_threads``).
     """
-    refuse_pir(program, "staticpipe.profile")
     if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
         raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     batch = first_batch(feed)
     if place is None or isinstance(place, str):
         place = place_of(place or "gpu:0")
+    if is_pir_program(program):
+        return profile_pir(program, batch, place, repeat, startup, loss)
     block = program.global_block()
     for i, op in enumerate(block.ops):
         if op.has_attr("sub_block"):
@@ -53,7 +56,7 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
     work, origin, loss_name = _differentiated(program, loss)
     wblock = work.global_block()
     roles = [role_of(op, i) for i, op in enumerate(wblock.ops)]
-    forward_of = _gradient_owners(wblock, roles)
+    forward_of = gradient_owners(wblock, roles)
 
     layers = group_layers(program)
     scope = core.Scope()
@@ -62,12 +65,7 @@ def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader
                                                         batch, scope, place, repeat)
     finally:  # a scope is Paddle's until freed (``ir.free_scope``); this one holds a model's values
         free_scope(scope)
-    result = Profile(_device_name(place), int(next(iter(batch.values())).shape[0]), repeat, loss_name, rows,
-                     param_bytes=params, var_bytes=var_bytes)
-    result.layers = result.aggregate(layers)
-    if unestimated:
-        result.notes.append(f"FLOPs are not estimated (counted as 0) for op types: {', '.join(sorted(unestimated))}")
-    return result
+    return Profile.measured(place, batch, repeat, loss_name, rows, params, var_bytes, layers, unestimated)
 
 
 def _measure(program, work, origin, roles, forward_of, layers, startup, batch, scope, place, repeat):
@@ -103,10 +101,6 @@ def _measure(program, work, origin, roles, forward_of, layers, startup, batch, s
                           sum(var_bytes[n] for n in outs), sum(var_bytes[n] for n in outs if n in read_by_backward),
                           flops or 0, "" if flops is not None else "FLOPs not estimated"))
     return rows, params, var_bytes, unestimated
-
-
-def _device_name(place: core.Place) -> str:
-    return f"gpu:{place.get_device_id()}" if isinstance(place, core.CUDAPlace) else "cpu"
 
 
 def refuse_measuring_in_launched_job(what: str) -> None:
@@ -174,12 +168,7 @@ def _find_loss(program: framework.Program) -> str:
             var = block._var_recursive(name)
             if name not in read and var.dtype in _FLOAT_TYPES and int(np.prod(var.shape or [1])) == 1:
                 found.append((name, op.type))
-    preferred = [n for n, t in found if t in LOSS_OP_TYPES]
-    for candidates in ([n for n, _ in found], preferred):
-        if len(candidates) == 1:
-            return candidates[0]
-    raise ValueError(f"cannot tell which variable is the loss (scalar float outputs no op reads: "
-                     f"{', '.join(n for n, _ in found) or 'none'}); pass loss=")
+    return the_loss(found)
 
 
 def _loss_of_backward(program: framework.Program) -> str:
@@ -191,30 +180,6 @@ def _loss_of_backward(program: framework.Program) -> str:
 
 _FLOAT_TYPES = (core.VarDesc.VarType.FP32, core.VarDesc.VarType.FP64, core.VarDesc.VarType.FP16,
                 core.VarDesc.VarType.BF16)
-
-
-def _gradient_owners(block: framework.Block, roles: list[str]) -> dict[int, int]:
-    """Backward op index -> index of the forward op whose gradient it computes."""
-    producer: dict[str, int] = {}
-    first_reader: dict[str, int] = {}
-    params = {p.name for p in block.all_parameters()}
-    for i, role in enumerate(roles):
-        if role == FWD:
-            for name in block.ops[i].output_arg_names:
-                producer.setdefault(name, i)
-            for name in block.ops[i].input_arg_names:
-                if name in params:
-                    first_reader.setdefault(name, i)
-    owners = {}
-    for j, role in enumerate(roles):
-        if role != BWD:
-            continue
-        owner = latest_gradient_source(block.ops[j], lambda base: producer.get(base, first_reader.get(base)))
-        if owner is None:
-            raise ValueError(f"backward {op_label(j, block.ops[j])} computes no gradient of a forward variable; "
-                             "staticpipe cannot tell which forward op it belongs to")
-        owners[j] = owner
-    return owners
 
 
 def _initialise(program: framework.Program, startup: framework.Program | None, scope: core._Scope,

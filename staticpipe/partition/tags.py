@@ -14,16 +14,10 @@ from ..rewrite.stages import op_label
 from .layers import Layer
 
 
-def readable(program: Any, profile: Any, feed: Any, split_points: Any) -> Any:
+def readable(program: Any) -> Any:
     """``program`` as the passes read it: a PIR program through a ``PirView`` (its forward ops, before
-    minimize). Measured policies need ``staticpipe.profile``, which reads legacy programs only."""
-    if not is_pir_program(program):
-        return program
-    if profile is not None or feed is not None:
-        raise ValueError("auto_place of a PIR program takes no profile= or feed= yet (staticpipe.profile reads "
-                         "legacy programs only): use policy 'uniform' or 'params', or build the program in "
-                         "legacy-IR mode (STATICPIPE_LEGACY_IR=1, see README) to place it by measured times")
-    return PirView(program, Gradients(), None)
+    minimize), whose op indices and value names a PIR program's ``Profile`` uses too (``pir_profile.py``)."""
+    return PirView(program, Gradients(), None) if is_pir_program(program) else program
 
 
 def split_starts(block: framework.Block, fwd: list[int], split_points: Sequence[Any]) -> set[int]:

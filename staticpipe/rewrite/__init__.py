@@ -12,6 +12,7 @@ from typing import Iterable
 
 from .._paddle import framework
 from ..gc_paused import gc_paused
+from ..op_callstacks import fast_callstacks
 from ..ir import is_pir_program, np_dtype
 from ..pir_ir import Gradients
 from ..pir_view import PirView
@@ -45,6 +46,7 @@ def build_plan(program: framework.Program, loss_name: str, num_microbatches: int
 
 
 @gc_paused()  # thousands of ops' section programs and a schedule of up to 10^6 actions: see gc_paused
+@fast_callstacks()  # and thousands of ops appended: see op_callstacks
 def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) -> Plan:
     """``build_plan`` with options already checked (``PipelineOptimizer`` checks them when constructed)."""
     custom = options.custom

@@ -19,7 +19,8 @@ from ..plan import INIT, OPTIMIZE, SEND, SUM, CutVar, Exchange, Section
 from .optimize import LOSS_SCALING_OPS, Reduction, SharedPartial, StageSlice
 from ..ir import ALLREDUCE_SUM, np_dtype
 from .programs import (LOW_PRECISION, MERGED_SUFFIX, append_cast, append_comm_op, append_tagged_op, copy_ops,
-                       cut_var, declare_merged, declare_var, merged_dtype, section_runs, zero_fill)
+                       cut_var, declare_merged, declare_var, merged_dtype, section_runs, zero_fill,
+                       zero_fills)
 from .stages import StageAssignment
 
 PARTIAL_SUFFIX = "@STAGE_PARTIAL"
@@ -123,8 +124,7 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
             run.append(item)
     if run:
         copy_ops(dst, block, run, edit=read_merged)
-    for g in merge:
-        zero_fill(dst, g + MERGED_SUFFIX, device, ROLE_OPTIMIZE)
+    zero_fills(dst, [g + MERGED_SUFFIX for g in merge], device, ROLE_OPTIMIZE)
     for param, readers in sorted(assignment.shared.items()):
         owner = assignment.param_stage[param]
         if owner == stage:
@@ -219,6 +219,5 @@ def init_section(block: framework.Block, stage: int, device: str, merge: dict[st
     """Zero-fills the stage's gradient buffers: once after the startup program, and after a failed step."""
     prog = paddle.static.Program()
     dst = prog.global_block()
-    for g in merge:
-        zero_fill(dst, declare_merged(dst, block, g), device, ROLE_OPTIMIZE)
+    zero_fills(dst, [declare_merged(dst, block, g) for g in merge], device, ROLE_OPTIMIZE)
     return Section(stage, INIT, prog, runs=section_runs(prog, INIT))

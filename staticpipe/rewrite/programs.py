@@ -117,9 +117,27 @@ def declare_merged(dst: framework.Block, src: framework.Block, grad: str) -> str
 
 
 def zero_fill(dst: framework.Block, name: str, device: str, role: int) -> None:
-    var = dst.var(name)
-    append_tagged_op(dst, "fill_constant", device, role, outputs={"Out": [name]},
-                     attrs={"shape": list(var.shape), "dtype": var.dtype, "value": 0.0})
+    zero_fills(dst, [name], device, role)
+
+
+def zero_fills(dst: framework.Block, names: Iterable[str], device: str, role: int) -> None:
+    """Append a ``fill_constant`` of 0 into each of ``names`` (declared in ``dst``). The first is built by
+    Paddle; the others are copies of its desc told their own output, shape and dtype, and the block syncs
+    once: a stage zeroes thousands of gradient buffers, and each ``append_op`` costs a Python operator, a
+    call-stack record and shape inference whose result the declared buffer already has."""
+    first = None
+    for name in names:
+        var = dst.var(name)
+        if first is None:
+            first = dst.ops[append_tagged_op(dst, "fill_constant", device, role, outputs={"Out": [name]},
+                                             attrs={"shape": list(var.shape), "dtype": var.dtype, "value": 0.0})].desc
+            continue
+        desc = dst.desc.append_op()
+        desc.copy_from(first)
+        desc.set_output("Out", [name])
+        desc._set_int64s_attr("shape", list(var.shape))
+        desc._set_int32_attr("dtype", var.dtype)
+    dst._sync_with_cpp()
 
 
 def section_runs(program: framework.Program, kind: str, keep: tuple[str, ...] = (),

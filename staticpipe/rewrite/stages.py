@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Callable
+from typing import Any, Callable
 
 from .._paddle import GRAD_SUFFIX, OP_ROLE, ROLE_BACKWARD, ROLE_LRSCHED, ROLE_OPTIMIZE, framework
 from ..placement import SPLIT_POINTS, op_device
@@ -67,6 +67,36 @@ def latest_gradient_source(op: framework.Operator, position: Callable[[str], int
     found = [p for n in op.input_arg_names + op.output_arg_names
              if (base := grad_base(n)) is not None and (p := position(base)) is not None]
     return max(found) if found else None
+
+
+def gradient_owners(block: Any, roles: list[str], recorded: Callable[[int], int | None] = lambda j: None
+                    ) -> dict[int, int]:
+    """Backward op index -> index of the forward op whose gradient it computes, over the ops of ``block`` (a
+    legacy block, or a PIR program's view) whose roles ``roles`` gives (FWD, BWD, ...): ``recorded(j)``
+    when it knows (what Paddle's PIR backward recorded while it differentiated), else the rule
+    ``latest_gradient_source`` states (a sum of gradients belongs to the latest forward op among them)."""
+    producer: dict[str, int] = {}
+    first_reader: dict[str, int] = {}
+    params = {p.name for p in block.all_parameters()}
+    for i, role in enumerate(roles):
+        if role == FWD:
+            for name in block.ops[i].output_arg_names:
+                producer.setdefault(name, i)
+            for name in block.ops[i].input_arg_names:
+                if name in params:
+                    first_reader.setdefault(name, i)
+    owners = {}
+    for j, role in enumerate(roles):
+        if role != BWD:
+            continue
+        owner = recorded(j)
+        if owner is None:
+            owner = latest_gradient_source(block.ops[j], lambda base: producer.get(base, first_reader.get(base)))
+        if owner is None:
+            raise ValueError(f"backward {op_label(j, block.ops[j])} computes no gradient of a forward variable; "
+                             "staticpipe cannot tell which forward op it belongs to")
+        owners[j] = owner
+    return owners
 
 
 def assign_stages(program: framework.Program, chunked: bool = False) -> StageAssignment:
