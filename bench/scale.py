@@ -25,6 +25,7 @@ The machine's CPU is printed first (compare ratios, not times, between machines)
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -96,6 +97,8 @@ def minimize_sizes(quick: bool, large: bool) -> None:
           f"{'exp (ours)':>10} {'Paddle alone s':>14}")
     rows, lines = [], []
     for layers, stages, m in sizes:
+        net = None
+        gc.collect()  # the previous size's programs (Paddle's hold cycles): a user's minimize does not carry them
         net = build_gpt(num_stages=stages, n_layers=layers)
         total, theirs = timed_minimize(net, "1F1B", m)
         ops = len(net.main.global_block().ops)

@@ -21,7 +21,9 @@ The third swap: Paddle's backward hands ``core.get_grad_op_desc`` the block's wh
 every op it differentiates, and the binding copies that set into C++ on each call: ops x set, the set
 growing with the model (0.12 ms per op at 96 layers, 0.3 ms at 192). An op's gradient maker reads the set
 only for the gradients of its own arguments, so ``_grad_op_desc`` passes the members named after them;
-an op with a sub-block gets the whole set. The swaps last while a ``with`` block holds them.
+an op with a sub-block gets the whole set. The binding is swapped on Paddle's ``core`` module itself, so
+every caller meanwhile (control flow, recompute passes) gets the same trimmed call, with the same
+results. The swaps last while a ``with`` block holds them.
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ per file per op -- to notice a file edited on disk since its lines were cached. 
 and the updates) with stacks some 25 frames deep: a fifth of Paddle's minimize was spent there.
 
 ``fast_callstacks()`` hands Paddle's framework module a ``traceback`` whose ``extract_stack()`` walks
-the frames itself and reads each line from ``linecache`` without the ``stat``: the same (file, line,
-function, source line) entries in the same order, so the recorded attribute is unchanged (the tests
-compare it). Only a source file edited during the ``with`` block could differ, in the text shown. A
-Paddle whose framework module takes no ``traceback`` is left alone.
+the frames itself and checks each source file against ``linecache`` once per hold rather than once per
+op: the same (file, line, function, source line) entries in the same order, so the recorded attribute is
+unchanged (the tests compare it, a file edited before the hold too). Only a source file edited during
+the ``with`` block could show its earlier text. A Paddle whose framework module takes no ``traceback``
+is left alone.
 """
 from __future__ import annotations
 
@@ -25,13 +26,16 @@ from .process_switch import ProcessSwitch
 
 
 class _Traceback:
-    """Python's ``traceback`` module with a stat-free ``extract_stack()`` for the no-argument call Paddle makes."""
+    """Python's ``traceback`` module with an ``extract_stack()`` for the no-argument call Paddle makes that
+    checks each source file once (``checked``: the files seen since the hold began)."""
+
+    def __init__(self) -> None:
+        self.checked: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(traceback, name)
 
-    @staticmethod
-    def extract_stack(f: Any = None, limit: int | None = None) -> Any:
+    def extract_stack(self, f: Any = None, limit: int | None = None) -> Any:
         if f is not None or limit is not None or getattr(sys, "tracebacklimit", None) is not None:
             return traceback.extract_stack(f or sys._getframe(1), limit)
         frames = []
@@ -39,6 +43,9 @@ class _Traceback:
         while frame is not None:
             code, lineno = frame.f_code, frame.f_lineno
             filename = code.co_filename
+            if filename not in self.checked:  # as Python's: a file edited since its lines were cached is read again
+                self.checked.add(filename)
+                linecache.checkcache(filename)
             if filename not in linecache.cache:
                 linecache.lazycache(filename, frame.f_globals)  # sources only a loader knows (zip imports)
             line = None if lineno is None else linecache.getline(filename, lineno).strip()

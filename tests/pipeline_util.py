@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import pytest
@@ -126,8 +126,8 @@ def train_reference(builder: Callable, make_opt: Callable, initial: dict[str, np
 def train_twins(builder: Callable, make_opt: Callable, steps: int = 3, batch_size: int = 16,
                 same_batch: bool = False, noise: bool = False, reload: Callable | None = None, **pipeline) -> Twin:
     """Train ``builder(guarded=False)`` on one device and ``builder()`` as a pipeline (minimized here, unless
-    the builder pipelined it itself) from the same initial parameters on the same batches (one batch per step, or the same one every step); return both
-    runs' losses and final parameters, the pipeline's plan and, where the optimizer clips by global norm,
+    the builder pipelined it itself) from the same initial parameters on the same batches (one batch per
+    step, or the same one every step); return both runs' losses and final parameters, the pipeline's plan and, where the optimizer clips by global norm,
     the reference's pre-clip gradient norms of every step. ``noise``: also measure the reference's own
     rounding noise, training it twice more (gradient merge over the pipeline's micro-batches; the
     samples of every batch reversed). ``reload(main, startup)``: the programs the pipeline trains instead of
@@ -194,10 +194,8 @@ def evaluation_net(net, builder: Callable, **build):
     test mode (dropout passes values through, batch norm reads its running statistics and leaves them).
     Legacy IR: ``net.main.clone(for_test=True)``, its variables fetched by name. A PIR program has no such
     clone: the network built again (the same parameter names) with each op's ``is_test`` attribute set."""
-    import dataclasses
-
     if not is_pir_program(net.main):
-        return dataclasses.replace(net, main=net.main.clone(for_test=True))
+        return replace(net, main=net.main.clone(for_test=True))
     again = builder(**build)
     for op in again.main.global_block().ops:
         if op.has_attr("is_test"):

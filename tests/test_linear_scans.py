@@ -100,9 +100,11 @@ def test_same_program_pairs_and_device_map_as_paddle(case):
 def test_paddle_functions_are_restored_after_nested_holds_and_errors():
     own_backward = paddle_optimizer.append_backward
     own_map = paddle_optimizer.Optimizer._update_param_device_map
+    own_grad_op_desc = paddle.base.core.get_grad_op_desc
     with linear_scans():
         with linear_scans():
             assert paddle_optimizer.append_backward is not own_backward
+            assert paddle.base.core.get_grad_op_desc is not own_grad_op_desc
         assert paddle_optimizer.append_backward is not own_backward  # the outer hold still holds
     assert paddle_optimizer.append_backward is own_backward
     with pytest.raises(RuntimeError, match="inside"):
@@ -110,6 +112,7 @@ def test_paddle_functions_are_restored_after_nested_holds_and_errors():
             raise RuntimeError("inside")
     assert paddle_optimizer.append_backward is own_backward
     assert paddle_optimizer.Optimizer._update_param_device_map is own_map
+    assert paddle.base.core.get_grad_op_desc is own_grad_op_desc
 
 
 def test_a_parameter_list_paddle_rejects_gets_paddle_s_own_error():

@@ -44,3 +44,29 @@ def test_the_switch_restores_paddles_traceback_and_leaves_other_functions():
         else:
             assert inside is before
     assert getattr(framework, "traceback", None) is before
+
+
+@pytest.mark.skipif(not RECORDS_STACKS, reason="this Paddle's Operator takes no call stack through traceback")
+def test_a_source_edited_before_the_hold_is_read_again(tmp_path, monkeypatch):
+    """Python's ``extract_stack`` re-reads a source file edited since ``linecache`` cached it; so does ours,
+    once per file and hold."""
+    import importlib
+    import linecache
+    import os
+
+    source = tmp_path / "edited_layer.py"
+    source.write_text("import paddle\n\ndef layer(x):\n    return paddle.nn.functional.relu(x)  # FIRST\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("edited_layer")
+    assert "FIRST" in linecache.getline(str(source), 4)  # cached, as an earlier traceback would have
+    source.write_text("import paddle\n\ndef layer(x):\n    return paddle.nn.functional.relu(x)  # SECOND\n")
+    os.utime(source, (os.path.getmtime(source) + 5,) * 2)
+
+    def recorded(switch):
+        program = paddle.static.Program()
+        with switch(), paddle.static.program_guard(program, paddle.static.Program()):
+            module.layer(paddle.static.data("x", [None, 2], "float32"))
+        return [line for line in program.global_block().ops[-1].attr("op_callstack") if "relu(x)" in line]
+
+    assert recorded(fast_callstacks) == recorded(contextlib.nullcontext) == [
+        "    return paddle.nn.functional.relu(x)  # SECOND"]

@@ -17,7 +17,7 @@ from staticpipe.partition import group_layers, policies
 from staticpipe.partition.layers import forward_ops
 from staticpipe.partition.tags import readable
 from staticpipe.verify import check_placement
-from tests.pipeline_util import assert_same_training, dense_layers, minimize, op_vars, parameter_owners, train_twins
+from pipeline_util import assert_same_training, dense_layers, minimize, op_vars, parameter_owners, train_twins
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,7 +14,7 @@ from models import build_mlp
 from staticpipe._paddle import paddle
 from staticpipe.memory_model import human_bytes
 from staticpipe.partition import recompute_subsets
-from tests.pipeline_util import assert_same_training, train_twins
+from pipeline_util import assert_same_training, train_twins
 
 DEVICES = ["gpu:0", "gpu:1"]
 M = 8

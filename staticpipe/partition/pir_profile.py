@@ -138,6 +138,8 @@ class _Timer:
         self.view, self.scope, self.place, self.fed, self.repeat, self.sync = view, scope, place, fed, repeat, sync
         self.exe = paddle.static.Executor(place)
         self.alone: dict[int, float] = {}
+        # a PIR value is made by one op (values are named one to one), so one map serves every op
+        self.producer = {n: i for i, op in enumerate(view.ops) for n in op.output_arg_names}
 
     def time(self, j: int) -> float:
         """Median seconds of op ``j`` run alone (with the ops making its non-tensor inputs, less theirs)."""
@@ -163,7 +165,7 @@ class _Timer:
     def _with_makers(self, j: int) -> list[int]:
         """Op ``j`` and, recursively, the ops making the values it reads that a data op cannot stand for
         (a vector of tensors, sparse rows)."""
-        producer = {n: i for i, op in enumerate(self.view.ops[:j]) for n in op.output_arg_names}
+        producer = self.producer
         ops, todo = {j}, [j]
         while todo:
             for name in self.view.ops[todo.pop()].input_arg_names:

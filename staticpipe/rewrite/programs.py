@@ -174,8 +174,20 @@ def section_runs(program: framework.Program, kind: str, keep: tuple[str, ...] = 
         if not piece:
             runs.append(Run(None, keep))
             continue
-        runs.append(Run(clear_device_tags(_program_of(program, piece)), keep))
+        run = _program_of(program, piece) if split_at_comm else _without(program, sorted(comm))
+        runs.append(Run(clear_device_tags(run), keep))
     return tuple(runs)
+
+
+def _without(program: framework.Program, op_indices: list[int]) -> framework.Program:
+    """A clone of ``program`` without its ops at ``op_indices``: the one run of a per-micro-batch or init
+    section, whose few comm ops are all it leaves out (Paddle copies the program in C++, where copying op by
+    op declares every variable through Python again)."""
+    run = program.clone()
+    block = run.global_block()
+    for i in reversed(op_indices):
+        block._remove_op(i, sync=False)
+    return run
 
 
 def _program_of(program: framework.Program, op_indices: list[int]) -> framework.Program:
