@@ -20,7 +20,9 @@ Tables, each row a size, each column seconds, and between consecutive rows the g
 
     python bench/scale.py [--quick]      # --quick: the smaller sizes only
     python bench/scale.py --large        # and table 1 at 384 and 960 layers (41k and 103k ops; minutes)
-The machine's CPU is printed first (compare ratios, not times, between machines).
+    python bench/scale.py --table schedules   # one table (minimize, schedules, planning, runtime)
+The machine's CPU is printed first (compare ratios, not times, between machines). Each table runs in a
+process of its own.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import gc
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -210,17 +213,29 @@ def runtime_sizes(quick: bool) -> None:
         print(f"{m:>5} {actions:>8} {step_s:>8.4f} {floor_s:>8.4f} {per_action:>10.1f} {exp:>5}")
 
 
+TABLES = {"minimize": lambda args: minimize_sizes(args.quick, args.large),
+          "schedules": lambda args: schedule_sizes(args.quick),
+          "planning": lambda args: planning_sizes(args.quick),
+          "runtime": lambda args: runtime_sizes(args.quick)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the smaller sizes only")
     ap.add_argument("--large", action="store_true", help="table 1 also at 384 and 960 layers (minutes)")
+    ap.add_argument("--table", choices=list(TABLES), help="one table only, in this process")
     args = ap.parse_args()
-    paddle.enable_static()
+    if args.table is not None:
+        paddle.enable_static()
+        TABLES[args.table](args)
+        return
     print(describe())
-    minimize_sizes(args.quick, args.large)
-    schedule_sizes(args.quick)
-    planning_sizes(args.quick)
-    runtime_sizes(args.quick)
+    # each table in a process of its own, as a user's minimize, schedule command or planner runs: none
+    # starts with the gigabytes of Paddle objects the minimize table leaves at 960 layers
+    for table in TABLES:
+        sys.stdout.flush()
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--table", table]
+                       + ["--quick"] * args.quick + ["--large"] * args.large, check=True)
 
 
 if __name__ == "__main__":
