@@ -129,6 +129,23 @@ def differentiate(inner: Any, loss: Any, startup: Any, parameters: Any, no_grad_
     return (optimize_ops, params_grads), grads
 
 
+# what a PIR section runs under (``runtime/pir_runs.py`` says why), and a profile times its ops under too
+SERIAL_RUN = "FLAGS_new_executor_serial_run"
+TRACE_RUN = "FLAGS_enable_pir_in_executor_trace_run"
+EAGER_DELETION = "FLAGS_eager_delete_tensor_gb"  # read when an interpreter first runs: its garbage collector
+
+
+@contextlib.contextmanager
+def flags_set(flags: dict[str, Any]) -> Iterator[None]:
+    """Paddle's ``flags`` set while inside, restored after (the process's: Paddle's flags are global)."""
+    before = paddle.get_flags(list(flags))
+    paddle.set_flags(flags)
+    try:
+        yield
+    finally:
+        paddle.set_flags(before)
+
+
 @contextlib.contextmanager
 def pir_thread() -> Iterator[None]:
     """PIR mode for this thread while inside. Whether Paddle's executor takes the PIR path is thread-local

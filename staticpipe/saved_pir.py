@@ -29,6 +29,7 @@ import os
 from typing import Any, Callable
 
 from ._paddle import OP_DEVICE, core, paddle
+from .ir import clear_device_tags
 from .pir_ir import FEEDS, HANDED_OVER, SPLIT_POINTS, VALUES, VIEW, Gradients
 from .pir_view import PirView
 from .plan import Plan, Run, Section
@@ -127,10 +128,7 @@ def write_program(program: Any, path: str) -> dict[str, Any]:
                           "loss": at(view.var(view.loss).value) if view.loss else None}
     if hasattr(program, "lr_name"):
         record["lr_name"] = program.lr_name
-    twin = program.clone()  # without the devices, which Paddle's writer refuses on parameters (recorded above)
-    for op in twin.global_block().ops:
-        if op.has_attr(OP_DEVICE):
-            op.erase_attr(OP_DEVICE)
+    twin = clear_device_tags(program.clone())  # Paddle's writer refuses the devices on parameters (recorded above)
     core.serialize_pir_program(twin, path, True, False, True)  # overwrite, not readable, trainable
     return record
 

@@ -32,14 +32,14 @@ profile saves more than its legacy one, as its PIR pipeline holds more).
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager
 
 from .._paddle import ROLE_BACKWARD, ROLE_OPTIMIZE, core, np, paddle
 from ..ir import clear_device_tags, free_scope, np_dtype, tensor_bytes
-from ..pir_ir import FEEDS, SPLIT_POINTS, Gradients, differentiate, pir_thread
+from ..pir_ir import (EAGER_DELETION, FEEDS, SERIAL_RUN, SPLIT_POINTS, TRACE_RUN, Gradients, differentiate,
+                      flags_set, pir_thread)
 from ..pir_view import PirView
 from ..rewrite.pir_programs import cut_program
 from ..rewrite.stages import BWD, FWD, gradient_owners, op_label, role_of
@@ -49,9 +49,6 @@ from .layers import group_layers
 LOSS_OP_TYPES = ("mean", "reduce_mean", "reduce_sum", "sum")  # what usually makes a loss scalar (both IRs)
 ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "elementwise_pow", "remainder",
                "floor_divide", "fmax", "fmin"}  # the legacy IR's elementwise_* ops, one FLOP per element
-# the runtime's flags (runtime/pir_runs.py): ops on the calling thread; on a CPU, no eager deletion
-SERIAL_RUN, TRACE_RUN, EAGER_DELETION = ("FLAGS_new_executor_serial_run", "FLAGS_enable_pir_in_executor_trace_run",
-                                         "FLAGS_eager_delete_tensor_gb")
 
 
 def profile_pir(program: Any, batch: dict[str, np.ndarray], place: Any, repeat: int, startup: Any,
@@ -287,17 +284,11 @@ def _flops(op: Any, shape: Callable[[str], list[int]]) -> int | None:
     return None
 
 
-@contextlib.contextmanager
-def _runtime_flags(place: Any) -> Iterator[None]:
-    """The runtime's flags while inside (``runtime/pir_runs.py``), restored after: the interpreters built
-    inside run only inside."""
-    flags = {SERIAL_RUN: True, TRACE_RUN: True, **({EAGER_DELETION: -1.0} if isinstance(place, core.CPUPlace) else {})}
-    before = paddle.get_flags(list(flags))
-    paddle.set_flags(flags)
-    try:
-        yield
-    finally:
-        paddle.set_flags(before)
+def _runtime_flags(place: Any) -> ContextManager[None]:
+    """The runtime's flags while inside (``runtime/pir_runs.py``: ops on the calling thread; on a CPU, no eager
+    deletion), restored after: the interpreters built inside run only inside."""
+    return flags_set({SERIAL_RUN: True, TRACE_RUN: True,
+                      **({EAGER_DELETION: -1.0} if isinstance(place, core.CPUPlace) else {})})
 
 
 def pir_twin(program: Any, loss: Any) -> tuple[Any, Any]:

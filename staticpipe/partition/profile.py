@@ -28,7 +28,6 @@ from .layers import group_layers
 from .pir_profile import profile_pir, the_loss
 
 
-
 def profile(program: framework.Program, feed: dict[str, np.ndarray] | DataLoader, place: Any = None,
             repeat: int = 3, startup: framework.Program | None = None, loss: Any = None) -> Profile:
     """Measure every forward op of ``program`` (forward only, or already minimized; a PIR program: before

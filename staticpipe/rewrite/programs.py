@@ -137,7 +137,8 @@ def zero_fills(dst: framework.Block, names: Iterable[str], device: str, role: in
         desc.set_output("Out", [name])
         desc._set_int64s_attr("shape", list(var.shape))
         desc._set_int32_attr("dtype", var.dtype)
-    dst._sync_with_cpp()
+    if len(dst.ops) != dst.desc.op_size():  # copies were appended (one fill is Paddle's own, already in sync)
+        dst._sync_with_cpp()
 
 
 def section_runs(program: framework.Program, kind: str, keep: tuple[str, ...] = (),

@@ -37,20 +37,16 @@ Facts of Paddle 3.3 that shape it (``../shared/notes/pir-facts.md``, re-checked 
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager
 
 from .._paddle import core, np, paddle
 from ..ir import np_dtype, tensor_of
-from ..pir_ir import FEEDS, HANDED_OVER, pir_thread, section_values
+from ..pir_ir import EAGER_DELETION, FEEDS, HANDED_OVER, SERIAL_RUN, TRACE_RUN, flags_set, pir_thread, section_values
 from ..plan import Run
 
 _FIRST_RUNS = threading.Lock()
-SERIAL_RUN = "FLAGS_new_executor_serial_run"
-TRACE_RUN = "FLAGS_enable_pir_in_executor_trace_run"
-EAGER_DELETION = "FLAGS_eager_delete_tensor_gb"  # read when an interpreter first runs: its garbage collector
 
 
 class PirRuns:
@@ -94,18 +90,9 @@ class PirRuns:
                 value = section_values(run.program)[name]
                 kept.set(np.zeros((0,) * max(1, len(value.shape)), np_dtype(value.dtype)), self.place)
 
-    @contextlib.contextmanager
-    def _buffers_kept(self) -> Iterator[None]:
+    def _buffers_kept(self) -> ContextManager[None]:
         """On a CPU place, the interpreter made in here keeps its buffers from run to run (module docstring)."""
-        if not isinstance(self.place, core.CPUPlace):
-            yield
-            return
-        before = paddle.get_flags([EAGER_DELETION])
-        paddle.set_flags({EAGER_DELETION: -1.0})
-        try:
-            yield
-        finally:
-            paddle.set_flags(before)
+        return flags_set({EAGER_DELETION: -1.0} if isinstance(self.place, core.CPUPlace) else {})
 
     def _prepare(self, run: Run, fetch: tuple[str, ...], scope: core._Scope) -> "_Prepared":
         """What every run of ``run`` fetching ``fetch`` repeats, worked out once; Paddle's interpreter built
