@@ -10,6 +10,7 @@ methods (``distributed.py``).
 from __future__ import annotations
 
 import threading
+from _thread import allocate_lock as _allocate_lock
 from abc import ABC, abstractmethod
 from typing import Any, Hashable
 
@@ -43,7 +44,15 @@ class Channel(ABC):
         """Forget pending messages and a past abort (between steps)."""
 
     def flush(self) -> None:
-        """Return once every message sent so far has left this process (nothing to wait for in-process)."""
+        """Return once every message sent so far has left this process (and, in-process, has woken its
+        receiver)."""
+
+    def wake(self) -> None:
+        """Wake the receivers of what this thread has sent. A send may leave that for later, so that the
+        receiver is woken when the sender is about to give up the GIL rather than while it holds it; the
+        runtime calls this before each compute action and at the end of a rank's step, and ``recv``,
+        ``allreduce`` and ``flush`` call it first. A receiver that is never woken still finds its message
+        at its next poll."""
 
     replicas = 1  # data-parallel copies of the pipeline this channel's job runs
 
@@ -58,40 +67,67 @@ class Channel(ABC):
 
 
 class InProcessChannel(Channel):
-    """Workers of one process: a mailbox keyed by message, under one lock. A receiver waits on a condition
-    of its own message's (on that lock), so a send wakes only the thread that waits for it: with one
-    condition for all, every send woke every waiting worker (three at p = 4) to find nothing, each wake-up
-    a context switch on the cores the stages share. (An event per message, with its own lock, measured
-    slower: 48 µs against 40 µs per round trip between two threads.)"""
+    """Workers of one process: a mailbox keyed by message, under one lock. A receiver that finds its
+    message missing parks on a raw lock of its own; the send leaves the message in the mailbox and the
+    sending thread releases that lock at its next ``wake`` (Channel's docstring says when).
+
+    Why so: a hand-off is the runtime's dearest step on a machine with fewer cores than stages, and a
+    woken thread that must wait again costs another pair of context switches. With a
+    ``threading.Condition`` on the mailbox lock (the previous design) the receiver woke while the sender
+    still held that lock, and then again while the sender held the GIL; each wait also built a Condition
+    and a lock in Python. Now the receiver is woken outside the mailbox lock, and when the sender is
+    about to give up the GIL (a compute action, its own receive, the end of its step), so it usually
+    wakes once, to a free mailbox and a free interpreter. A raw lock is what a Condition parks on, without
+    the Python around it."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # guards everything here
-        self._cond = threading.Condition(self._lock)  # allreduce's and abort's
+        self._lock = threading.Lock()  # guards everything here
+        self._cond = threading.Condition(self._lock)  # allreduce's
         self._box: dict[Hashable, Message] = {}
-        self._waiting: dict[Hashable, threading.Condition] = {}  # message key -> its receiver's condition
+        self._waiting: dict[Hashable, Any] = {}  # message key -> its receiver's parked lock (held until sent)
         self._sums: dict[Hashable, dict] = {}
         self._aborted: str | None = None
+        self._wakes = threading.local()  # per sending thread: the parked receivers it has yet to wake
 
     def send(self, key: Hashable, message: Message, dst_stage: int) -> None:
-        with self._cond:
+        with self._lock:
             self._check()
             if key in self._box:
                 raise RuntimeError(f"message {key} was sent twice")
             self._box[key] = message
             waiter = self._waiting.pop(key, None)
-            if waiter is not None:
-                waiter.notify()
+        if waiter is not None:
+            pending = getattr(self._wakes, "locks", None)
+            if pending is None:
+                pending = self._wakes.locks = []
+            pending.append(waiter)
+
+    def wake(self) -> None:
+        pending = getattr(self._wakes, "locks", None)
+        while pending:
+            pending.pop().release()
 
     def recv(self, key: Hashable, src_stage: int) -> Message:
-        with self._cond:
-            while key not in self._box:
+        self.wake()
+        with self._lock:
+            if key in self._box:
+                return self._box.pop(key)
+            self._check()
+            waiter = self._waiting[key] = _allocate_lock()
+            waiter.acquire()
+        while True:
+            waiter.acquire(True, POLL_S)  # released by the send, or by an abort
+            with self._lock:
+                if key in self._box:
+                    self._waiting.pop(key, None)
+                    return self._box.pop(key)
+                if self._aborted is not None:
+                    self._waiting.pop(key, None)
                 self._check()
-                self._waiting.setdefault(key, threading.Condition(self._lock)).wait(POLL_S)
-            self._waiting.pop(key, None)
-            return self._box.pop(key)
 
     def allreduce(self, key: Hashable, rank: int, value: np.ndarray, ranks: int) -> np.ndarray:
         """Added in rank order, so every rank gets bit-identical results."""
+        self.wake()
         with self._cond:
             slot = self._sums.setdefault(key, {"parts": {}, "result": None, "taken": 0})
             slot["parts"][rank] = value
@@ -111,8 +147,12 @@ class InProcessChannel(Channel):
         with self._cond:
             self._aborted = reason
             self._cond.notify_all()
-            for waiter in self._waiting.values():
-                waiter.notify_all()
+            waiters, self._waiting = list(self._waiting.values()), {}
+        for waiter in waiters:
+            waiter.release()
+
+    def flush(self) -> None:
+        self.wake()
 
     def reset(self) -> None:
         with self._cond:

@@ -105,6 +105,7 @@ def _walk(worker: DeviceWorker, job: StepJob, stage: int, sent: set[int]) -> Gen
     scope = worker.borrow_scope()
     try:
         for k, run in enumerate(section.runs):
+            job.channel.wake()
             worker.execute(run, scope)
             if k == len(section.exchanges):
                 return

@@ -100,7 +100,10 @@ class DeviceWorker:
         """Run the rank's actions for one step. A failure here aborts the channel at once, so that every
         other rank stops at its next receive, and is raised as the stage's ``StageError`` (Ctrl-C as it is)."""
         try:
-            return self._run_step(job)
+            try:
+                return self._run_step(job)
+            finally:
+                job.channel.wake()
         except PipelineAborted:
             raise
         except BaseException as exc:
@@ -173,6 +176,7 @@ class DeviceWorker:
             for name, value in job.feeds[a.stage][a.microbatch].items():
                 scope.var(name).get_tensor().set(value, self.place)
         names = job.fetch.get((a.stage, kind), ())
+        job.channel.wake()  # the messages sent before: their receivers wake as this thread leaves the GIL
         self.execute(section.run, scope, names)
         if a.kind is Kind.F and job.check_forwards:
             made = section.run.keep + names + ((job.plan.loss,) if job.plan.producers.get(job.plan.loss) is not None

@@ -18,12 +18,15 @@ are done, the ranks wait on each other forever.
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
+from itertools import chain, repeat
 from operator import itemgetter
-from typing import Callable
+from typing import Callable, Iterable, NamedTuple
 
 from .actions import Action, Kind, Schedule
 
 Event = tuple[int, Action, float, float]  # (rank, action, start, end)
+BUSY_KINDS = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)  # compute; messages are not useful work
 
 
 class ScheduleError(ValueError):
@@ -62,7 +65,11 @@ def _dependency(a: Action, num_stages: int, lowered: bool) -> tuple | None:
 
 def is_lowered(schedule: Schedule) -> bool:
     """Whether the schedule has its SEND/RECV actions (then F and B wait for messages, not actions)."""
-    return any(Kind.SEND in kinds or Kind.RECV in kinds for kinds in map(_kinds, schedule.values()))
+    return _has_messages(map(_kinds, schedule.values()))
+
+
+def _has_messages(kinds: Iterable[list[Kind]]) -> bool:
+    return any(Kind.SEND in k or Kind.RECV in k for k in kinds)
 
 
 def _kinds(actions: list[Action]) -> list[Kind]:
@@ -71,7 +78,10 @@ def _kinds(actions: list[Action]) -> list[Kind]:
 
 def first_opt_step(actions: list[Action]) -> int:
     """The step of the rank's first OPT, or the length of its list."""
-    kinds = _kinds(actions)
+    return _first_opt(_kinds(actions))
+
+
+def _first_opt(kinds: list[Kind]) -> int:
     return kinds.index(Kind.OPT) if Kind.OPT in kinds else len(kinds)
 
 
@@ -82,117 +92,230 @@ def _awaited_send(recv: Action) -> str:
 def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], float],
             collectives: bool = False) -> list[Event]:
     """The (rank, action, start, end) of every action, each rank's in list order; ``ScheduleError`` on
-    a deadlock, a message sent twice, received twice, received by the wrong stage, or never received.
+    a deadlock, a message sent twice, received twice, received by the wrong stage, or never received."""
+    times = timeline(schedule, num_stages, duration, collectives).times
+    return list(chain.from_iterable(zip(repeat(r), schedule[r], *times[r]) for r in sorted(schedule)))
+
+
+Columns = tuple[list, ...]
+_FIELDS = tuple(itemgetter(k) for k in (0, 1, 2, 6, 7))
+
+
+def columns_of(actions: list[Action]) -> Columns:
+    """The fields of a rank's actions that the walk reads -- kinds, stages, micro-batches, and an FB's B
+    half's stage and micro-batch -- a list each, each made by a pass in C.
+
+    Why: at scale a schedule's actions lie all over memory, and going to each one is a cache miss. A
+    caller that has just gone over a rank's actions makes these while they are in cache; the walk
+    then reads lists, and goes to an action only to price it with a function or to report it."""
+    return tuple(list(map(field, actions)) for field in _FIELDS)
+
+
+class Timeline(NamedTuple):
+    """``execute``'s times, and what ``simulate`` adds up, taken as the walk goes: there each action's
+    times are at hand, where a pass after it would fetch them from all over memory at scale."""
+    times: dict[int, tuple[list[float], list[float]]]  # rank -> the starts and the ends of its actions
+    busy: dict[int, float]  # rank -> its time in BUSY_KINDS, added up in list order
+    # (rank, first step, step after the last) of each visit that ran actions, in the walk's order: where
+    # the ranks first appear, and the order events with a NaN start are sorted from
+    visits: list[tuple[int, int, int]]
+    nan_start: bool  # whether an action starts at NaN (which leaves events sorted by start to that order)
+
+
+def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], float] | dict[Kind, float] | None,
+             collectives: bool = False, columns: dict[int, Columns] | None = None) -> Timeline:
+    """The walk behind ``execute``. ``duration`` may be a table of what each kind costs, looked up
+    without a call per action, or None: nothing is timed (``validate``'s dry run, which only needs the
+    errors; ``times`` is then None). ``columns``: each rank's ``columns_of``, made here if not given.
 
     Ranks are visited in turns, in rank order, each running as far as it can. A blocked rank is not
     looked at again until what it waits for is done: then in this turn if its place comes later, else
     in the next -- exactly where visiting every rank every turn would find it ready, without the
-    visits that find it still blocked (thousands of turns at 64 ranks). What an action waits for is
-    ``_dependency``'s rule, spelled out inline: this loop runs once per action of schedules with
-    hundreds of thousands."""
-    lowered = is_lowered(schedule)
+    visits that find it still blocked (thousands of turns at 64 ranks). Which message error comes
+    first depends on this order (and, with NaN costs, which arrival at the OPT barrier counts as the
+    latest), so it is kept.
+
+    The loop runs once per action of schedules with hundreds of thousands, so it is written out, not
+    factored, and ``_dependency``'s rule is inline. What an action waits for is an F or a B:
+    ``ends[kind]`` holds, per stage, a table micro-batch -> its end once done, or -> the ranks waiting
+    for it until then. A table per stage, not one keyed by (kind, stage, micro-batch): a key tuple
+    made, hashed and kept per action, and lookups all over a table of them all, were half the walk's
+    time at scale (it no longer fits a cache). W and OPT are what no action waits for: not kept. An FB
+    looks up its F half's dependency first, into ``floor``: its B half's end counts only above it (the
+    later of the two). ``arrive`` gives a RECV's or a barrier OPT's start, also into ``floor``."""
+    timed, by_kind = duration is not None, duration if isinstance(duration, dict) else None
+    if columns is None:
+        columns = {r: columns_of(acts) for r, acts in schedule.items()}
+    lowered = _has_messages(c[0] for c in columns.values())
     ranks = sorted(schedule)
-    ptr = dict.fromkeys(ranks, 0)
-    clock = dict.fromkeys(ranks, 0.0)
-    first_opt = {r: first_opt_step(acts) for r, acts in schedule.items()}
-    done: dict[tuple, float] = {}  # compute action (its key) -> its end
+    first_opt = {r: _first_opt(columns[r][0]) for r in ranks}
+    times = {r: ([0.0] * len(schedule[r]), [0.0] * len(schedule[r])) for r in ranks} if timed else None
+    # rank -> [actions, their columns, their starts and ends, their number, the next step, its clock,
+    # the step at which it reaches its OPT, its busy time]
+    state = {r: [schedule[r], *columns[r], *(times[r] if timed else ((), ())), len(schedule[r]), 0, 0.0,
+                 first_opt[r] - 1, 0.0] for r in ranks}
+    f, b, w, fb, opt, send, recv = Kind.F, Kind.B, Kind.W, Kind.FB, Kind.OPT, Kind.SEND, Kind.RECV
+    ends: dict[Kind, defaultdict] = {f: defaultdict(dict), b: defaultdict(dict)}  # kind -> stage -> table
+    done_f, done_b = ends[f], ends[b]
     sent: dict[tuple, tuple[int, int, Action]] = {}  # (route, micro-batch) -> rank, step, SEND
     sent_at: dict[tuple, float] = {}  # (route, micro-batch) -> end of its SEND
     received: set[tuple] = set()
     reached: dict[int, float] = {r: 0.0 for r in ranks if first_opt[r] == 0}  # rank -> when it reached its first OPT
-    waiting: dict[tuple, list[int]] = {}  # what a blocked rank waits for -> the ranks waiting for it
-    events: list[Event] = []
-    append, done_get, last = events.append, done.get, num_stages - 1
-    f, b, w, fb, opt, send, recv = Kind.F, Kind.B, Kind.W, Kind.FB, Kind.OPT, Kind.SEND, Kind.RECV
+    waiting: dict[tuple, list[int]] = {}  # a message or the barrier -> the ranks waiting for it
+    visits: list[tuple[int, int, int]] = []
+    visited, last = visits.append, num_stages - 1
     this_turn = [r for r in ranks if schedule[r]]  # a heap, but in order already
     next_turn: list[int] = []
+    heappop, heappush, later = heapq.heappop, heapq.heappush, next_turn.append
 
-    def wake(what: tuple, r: int) -> None:
-        for q in waiting.pop(what, ()):
+    def wake(waiters: list[int], r: int) -> None:
+        for q in waiters:
             if q > r:
-                heapq.heappush(this_turn, q)
+                heappush(this_turn, q)
             else:
-                next_turn.append(q)
+                later(q)
 
+    def arrive(r: int, i: int, a: Action) -> float | None:
+        """When a RECV or an OPT at the barrier may start; None (and ``r`` waiting) if not yet. The only
+        start that can be NaN (any other is at least 0.0 or an end above it): noted."""
+        nonlocal nan_start
+        if a[0] is opt:
+            if len(reached) < len(ranks):
+                waiting.setdefault((opt,), []).append(r)
+                return None
+            ready = max(reached.values())
+        else:
+            key = (a[3], a[2])
+            if key in sent:
+                _check_receive(r, i, a, sent[key], key in received)
+            ready = sent_at.get(key)
+            if ready is None:
+                waiting.setdefault((send, key), []).append(r)
+                return None
+            received.add(key)
+        nan_start = nan_start or ready != ready
+        return ready
+
+    def leave(r: int, i: int, a: Action, t: float) -> None:
+        """A SEND ends at ``t``."""
+        key = (a[3], a[2])
+        if key in sent:
+            q, j, first_send = sent[key]
+            raise fail(r, i, a, f"route {a.route}, micro-batch {a.microbatch} is sent twice "
+                                f"(also by rank {q}, step {j}, action {first_send})")
+        sent[key] = (r, i, a)
+        sent_at[key] = t
+        wake(waiting.pop((send, key), ()), r)
+
+    def finish(tab: dict, mb: int, t: float, r: int) -> None:
+        """Record that the action of ``tab``'s stage and micro-batch ``mb`` ended at ``t``."""
+        x = tab.setdefault(mb, t)
+        if x is not t:  # ranks were waiting (or, unchecked, it ran before)
+            tab[mb] = t
+            if type(x) is list:
+                wake(x, r)
+
+    floor, idle, nan_start = 0.0, False, False  # idle: the action is not in BUSY_KINDS
     while this_turn:
         while this_turn:
-            r = heapq.heappop(this_turn)
-            acts, i, t = schedule[r], ptr[r], clock[r]
-            n = len(acts)
-            while i < n:
-                a = acts[i]
-                kind = a[0]
-                if kind is recv:
-                    key = (a[3], a[2])
-                    if key in sent:
-                        _check_receive(r, i, a, sent[key], key in received)
-                    ready = sent_at.get(key)
-                    if ready is None:
-                        waiting.setdefault((send, key), []).append(r)
-                        break
-                    received.add(key)
-                elif kind is opt and collectives:
-                    if len(reached) < len(ranks):
-                        waiting.setdefault((opt,), []).append(r)
-                        break
-                    ready = max(reached.values())
-                else:
-                    if kind is fb:
-                        deps = _dependencies(a, num_stages, lowered)
-                    elif kind is w:
-                        deps = ((b, a[1], a[2]),)
-                    elif kind is b and a[1] == last:
-                        deps = ((f, a[1], a[2]),)
-                    elif lowered or kind is opt or (kind is f and a[1] == 0):
-                        deps = ()
-                    else:
-                        deps = ((f, a[1] - 1, a[2]),) if kind is f else ((b, a[1] + 1, a[2]),)
-                    ready, blocked = 0.0, None
-                    for d in deps:
-                        end = done_get(d)
-                        if end is None:
-                            blocked = d
+            r = heappop(this_turn)
+            st = state[r]
+            acts, kinds, stages, mbs, b_stages, b_mbs, begun, ended, n, i0, t, reach, spent = st
+            for i in range(i0, n):
+                kind, s, mb = kinds[i], stages[i], mbs[i]
+                if kind is f:
+                    dep, own = None if lowered or s == 0 else done_f[s - 1], done_f
+                elif kind is b:
+                    dep, own = done_f[s] if s == last else None if lowered else done_b[s + 1], done_b
+                elif kind is w:
+                    dep, own = done_b[s], None
+                elif kind is fb:  # its F half's dependency into floor, then its B half's as any other
+                    s2, mb2 = b_stages[i], b_mbs[i]
+                    before = None if lowered or not s > 0 else done_f[s - 1]
+                    dep, own = done_f[s2] if s2 == last else None if lowered else done_b[s2 + 1], None
+                    if before is not None:
+                        floor = before.get(mb)
+                        if floor is None or type(floor) is list:
+                            if floor is None:
+                                before[mb] = [r]
+                            else:
+                                floor.append(r)
+                            floor = 0.0
                             break
-                        if end > ready:
-                            ready = end
-                    if blocked is not None:
-                        waiting.setdefault(blocked, []).append(r)
+                        if not floor > 0.0:
+                            floor = 0.0
+                    mb, mb2 = mb2, mb  # the lookup below is the B half's
+                elif kind is opt or kind is send or kind is recv:
+                    dep = own = None
+                    if kind is recv or (kind is opt and collectives):
+                        floor = arrive(r, i, acts[i])
+                        if floor is None:
+                            floor = 0.0
+                            break
+                    idle = kind is not opt
+                else:  # a kind not of Kind waits as a B would, and counts as the F or B it may equal
+                    dep, own = None if lowered else done_b[s + 1], ends.get(kind)
+                    idle = kind not in BUSY_KINDS
+                if dep is None:
+                    ready = floor
+                else:
+                    ready = dep.get(mb)
+                    if type(ready) is not float and (ready is None or type(ready) is list):  # not done yet
+                        if ready is None:
+                            dep[mb] = [r]
+                        else:
+                            ready.append(r)
+                        floor, idle = 0.0, False
                         break
-                start = t if t > ready else ready
-                t = start + duration(a)
-                append((r, a, start, t))
-                if kind is send:
-                    key = (a[3], a[2])
-                    if key in sent:
-                        q, j, first = sent[key]
-                        raise fail(r, i, a, f"route {a.route}, micro-batch {a.microbatch} is sent twice "
-                                            f"(also by rank {q}, step {j}, action {first})")
-                    sent[key] = (r, i, a)
-                    sent_at[key] = t
-                    wake((send, key), r)
+                    if not ready > floor:
+                        ready = floor
+                if timed:
+                    begun[i] = start = t if t > ready else ready
+                    ended[i] = t = start + (duration(acts[i]) if by_kind is None else by_kind[kind])
+                    if idle:
+                        idle = False
+                    else:
+                        spent = spent + (t - start)
+                if own is not None:  # as ``finish``
+                    tab = own[s]
+                    x = tab.setdefault(mb, t)
+                    if x is not t:
+                        tab[mb] = t
+                        if type(x) is list:
+                            for q in x:
+                                if q > r:
+                                    heappush(this_turn, q)
+                                else:
+                                    later(q)
                 elif kind is fb:
-                    for k in (h[:3] for h in a.halves()):
-                        done[k] = t
-                        if k in waiting:
-                            wake(k, r)
-                elif kind is not recv:
-                    k = a[:3]
-                    done[k] = t
-                    if k in waiting:
-                        wake(k, r)
-                i += 1
-                if i == first_opt[r]:
+                    finish(done_f[s], mb2, t, r)
+                    finish(done_b[s2], mb, t, r)
+                    floor = 0.0
+                elif kind is send:
+                    leave(r, i, acts[i], t)
+                else:
+                    floor = 0.0
+                if i == reach:
                     reached[r] = t
                     if len(reached) == len(ranks):
-                        wake((opt,), r)
-            ptr[r], clock[r] = i, t
-        this_turn, next_turn = sorted(set(next_turn)), []
+                        wake(waiting.pop((opt,), ()), r)
+            else:
+                i = n
+            st[9], st[10], st[12] = i, t, spent
+            if timed and i > i0:
+                visited((r, i0, i))
+        this_turn = sorted(set(next_turn))
+        next_turn.clear()
+    ptr = {r: state[r][9] for r in ranks}
     if any(ptr[r] < len(schedule[r]) for r in ranks):
-        raise _deadlock(schedule, ranks, ptr, first_opt, done, num_stages, lowered, collectives)
+        def is_done(key: tuple) -> bool:
+            end = ends[key[0]].get(key[1], {}).get(key[2])
+            return end is not None and type(end) is not list
+        raise _deadlock(schedule, ranks, ptr, first_opt, is_done, num_stages, lowered, collectives)
     for key, (r, i, a) in sorted(sent.items(), key=lambda kv: kv[1][:2]):
         if key not in received:
             raise fail(r, i, a, f"route {a.route}, micro-batch {a.microbatch} is never received")
-    return events
+    return Timeline(times, {r: state[r][12] for r in schedule}, visits, nan_start)
 
 
 def _check_receive(r: int, i: int, recv: Action, sender: tuple[int, int, Action], again: bool) -> None:
@@ -205,7 +328,7 @@ def _check_receive(r: int, i: int, recv: Action, sender: tuple[int, int, Action]
 
 
 def _deadlock(schedule: Schedule, ranks: list[int], ptr: dict[int, int], first_opt: dict[int, int],
-              done: dict[tuple, float], num_stages: int, lowered: bool, collectives: bool) -> ScheduleError:
+              is_done: Callable[[tuple], bool], num_stages: int, lowered: bool, collectives: bool) -> ScheduleError:
     blocked = [(r, ptr[r], schedule[r][ptr[r]]) for r in ranks if ptr[r] < len(schedule[r])]
     waits = []
     for r, i, a in blocked:
@@ -215,7 +338,7 @@ def _deadlock(schedule: Schedule, ranks: list[int], ptr: dict[int, int], first_o
             behind = [q for q in ranks if ptr[q] < first_opt[q]]
             what = f"the OPT barrier (rank{'s' * (len(behind) > 1)} {', '.join(map(str, behind))} not there)"
         else:
-            what = " and ".join(str(Action(*d)) for d in _dependencies(a, num_stages, lowered) if d not in done)
+            what = " and ".join(str(Action(*d)) for d in _dependencies(a, num_stages, lowered) if not is_done(d))
         waits.append(f"rank {r} at step {i} ({a}) waits for {what}")
     r, i, a = blocked[0]
     return ScheduleError("deadlock: " + "; ".join(waits), r, i, a)

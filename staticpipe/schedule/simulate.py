@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections import defaultdict
 from dataclasses import dataclass
-from operator import itemgetter
-from typing import Callable, Collection, Mapping, Sequence
+from itertools import accumulate, chain, compress, repeat
+from operator import attrgetter, is_, itemgetter, ne
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from ..gc_paused import gc_paused
 from .actions import Action, Kind, Schedule
-from .execution import Event, execute
+from .execution import BUSY_KINDS, Columns, Event, Timeline, columns_of, timeline
 from .shared_cores import execute_shared
 
 UNIT_COSTS = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.OPT: 0.0, Kind.SEND: 0.0, Kind.RECV: 0.0}
-BUSY_KINDS = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)  # compute; messages are not useful work
 
 Costs = None | Mapping[str, float] | Callable[[Action], float]
 
@@ -43,13 +44,19 @@ def cost_function(costs: Costs) -> Callable[[Action], float]:
     FB costs its F plus its B (run back to back) unless the mapping prices "FB" itself (overlapped)."""
     if callable(costs):
         return costs
+    table = _cost_table(costs)
+    return lambda a: table[a.kind]
+
+
+def _cost_table(costs: None | Mapping[str, float]) -> dict[Kind, float]:
+    """What each kind costs, for ``cost_function`` of anything but a callable."""
     table = dict(UNIT_COSTS)
     for kind, seconds in (costs or {}).items():
         if kind not in Kind.__members__:
             raise ValueError(f"unknown action kind {kind!r} in costs; kinds: {', '.join(k.value for k in Kind)}")
         table[Kind(kind)] = float(seconds)
     table.setdefault(Kind.FB, table[Kind.F] + table[Kind.B])
-    return lambda a: table[a.kind]
+    return table
 
 
 @gc_paused()
@@ -63,58 +70,105 @@ def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = N
     CPU stage threads on one machine); None: every rank has its own. ``collectives``: no rank starts
     its first OPT before every rank has reached it (the runtime's step barrier).
     """
-    stages = {a.stage for acts in schedule.values() for a in acts}
+    stages: set[int] = set()
+    columns: dict[int, Columns] = {}
+    for r, acts in schedule.items():
+        stages.update(map(attrgetter("stage"), acts))
+        columns[r] = columns_of(acts)  # for the walk and the peaks, while the rank's actions are in cache
     num_stages = num_stages if num_stages is not None else max(stages, default=-1) + 1
-    duration = cost_function(costs)
-    events = execute(schedule, num_stages, duration, collectives)
-    if cores is not None:
-        events = execute_shared(schedule, num_stages, duration, cores,
-                                set(schedule) if sharing is None else set(sharing), collectives)
-    busy = dict.fromkeys(schedule, 0.0)
-    spans: dict[int, list[float]] = {}  # rank -> [first start, last end]: a rank's events are in list order
-    for rank, a, s, e in events:
-        if a[0] in BUSY_KINDS:
-            busy[rank] += e - s
-        span = spans.get(rank)
-        if span is None:
-            spans[rank] = [s, e]
-        else:
-            span[1] = e
-    events.sort(key=itemgetter(2, 0))  # by start time, then rank; a rank's list order is kept
+    table = None if callable(costs) else _cost_table(costs)
+    walked = timeline(schedule, num_stages, costs if table is None else table, collectives, columns)
+    if cores is None:
+        busy = walked.busy
+        spans, events = _walked(schedule, walked)
+    else:
+        produced = execute_shared(schedule, num_stages, cost_function(costs), cores,
+                                  set(schedule) if sharing is None else set(sharing), collectives)
+        busy, spans = _rank_times(schedule, produced)
+        starts = list(map(itemgetter(2), produced))
+        events = _by_start(sorted(produced, key=itemgetter(0)), lambda: produced, any(map(ne, starts, starts)))
     total = max((last for _, last in spans.values()), default=0.0)
     bubble = 1.0 - sum(busy.values()) / (len(schedule) * total) if total > 0 else 0.0
     span = max((last - first for first, last in spans.values()), default=0.0)
     span_bubble = 1.0 - sum(busy.values()) / (len(schedule) * span) if span > 0 else 0.0
-    return Simulation(events, total, busy, bubble, peak_inflight(schedule), span_bubble)
+    return Simulation(events, total, busy, bubble, _peaks(list(columns.values())), span_bubble)
+
+
+def _rank_times(schedule: Schedule, events: list[Event]) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
+    """Per rank, the time in ``BUSY_KINDS`` (added up in list order) and (first start, last end), the
+    latter in the order ranks first appear in ``events`` (what ``max`` keeps of equal ends depends on it)."""
+    busy = dict.fromkeys(schedule, 0.0)
+    spans: dict[int, tuple[float, float]] = {}
+    for rank, a, s, e in events:
+        if a[0] in BUSY_KINDS:
+            busy[rank] += e - s
+        spans[rank] = (spans[rank][0] if rank in spans else s, e)
+    return busy, spans
+
+
+def _walked(schedule: Schedule, walked: Timeline) -> tuple[dict[int, tuple[float, float]], list[Event]]:
+    """``_rank_times``'s spans, and the events by start, from a ``timeline``: the events are made at the
+    end, a rank at a time (in C), rather than one at a time in the walk."""
+    times, visits, ranks = walked.times, walked.visits, sorted(schedule)
+    spans = {r: (times[r][0][0], times[r][1][-1]) for r in dict.fromkeys(map(itemgetter(0), visits))}
+    by_rank = list(chain.from_iterable(zip(repeat(r), schedule[r], *times[r]) for r in ranks))
+
+    def produced() -> list[Event]:  # as the walk made them, visit after visit
+        at = dict(zip(ranks, accumulate((len(schedule[r]) for r in ranks), initial=0)))
+        return [by_rank[k] for r, i, j in visits for k in range(at[r] + i, at[r] + j)]
+    return spans, _by_start(by_rank, produced, walked.nan_start)
+
+
+def _by_start(by_rank: list[Event], produced: Callable[[], list[Event]], nan_start: bool) -> list[Event]:
+    """The events by start time, then rank, each rank's in list order. ``by_rank`` has them in rank order,
+    each rank's in list order: sorting it (stably) by start alone gives that order, in a quarter of the
+    time of a sort by both (tuple keys). Unless a start is NaN, which orders nothing: then the events as
+    they were ``produced`` are sorted by both, as they always were."""
+    if nan_start:
+        events = produced()
+        events.sort(key=itemgetter(2, 0))
+        return events
+    by_rank.sort(key=itemgetter(2))
+    return by_rank
 
 
 def peak_inflight(schedule: Schedule) -> dict[int, int]:
     """Per stage, the most micro-batches whose F has run and whose last backward action (W if the
     backward is split, else B) has not: the activations the stage must hold at once. Counted along each
     rank's list as ``inflight_counts`` does; a count only grows at an F."""
-    last, f = _last_backward(schedule), Kind.F
+    return _peaks(list(map(columns_of, schedule.values())))
+
+
+def _peaks(columns: list[Columns]) -> dict[int, int]:
+    """``peak_inflight`` of the ranks' ``columns_of``."""
+    last, f, fb = _last_backward(kinds for kinds, *_ in columns), Kind.F, Kind.FB
     peak: dict[int, int] = {}
-    for acts in schedule.values():
-        live: dict[int, set[int]] = {}
-        for a in acts:
-            for h in (a.halves() if a[0] is Kind.FB else (a,)):
-                kind, stage, mb = h[:3]
-                held = live.get(stage)
-                if held is None:
-                    held = live[stage] = set()
-                    peak.setdefault(stage, 0)
-                if kind is f:
-                    held.add(mb)
-                    if len(held) > peak[stage]:
-                        peak[stage] = len(held)
-                elif kind is last:
-                    held.discard(mb)
-    return dict(sorted(peak.items()))
+    for kinds, stages, mbs, b_stages, b_mbs in columns:
+        live: defaultdict[int, set[int]] = defaultdict(set)  # stage -> micro-batches held
+        top: defaultdict[int, int] = defaultdict(int)  # stage -> most held at once, on this rank
+        for kind, s, mb, s2, mb2 in zip(kinds, stages, mbs, b_stages, b_mbs):
+            if kind is f or kind is fb:  # an FB: its F half, then its B half
+                held = live[s]
+                held.add(mb)
+                if len(held) > top[s]:
+                    top[s] = len(held)
+                if kind is fb and last is Kind.B:
+                    live[s2].discard(mb2)
+            elif kind is last:
+                live[s].discard(mb)
+        for stage in dict.fromkeys(chain(stages, compress(b_stages, map(is_, kinds, repeat(fb))))):
+            peak[stage] = max(peak.get(stage, 0), top.get(stage, 0))
+    try:
+        return dict(sorted(peak.items()))
+    except TypeError:  # stages that do not compare: fail as counting along the lists did, meeting them in order
+        met = (h for kinds, stages, _, b_stages, _ in columns for k, s, s2 in zip(kinds, stages, b_stages)
+               for h in ((s, s2) if k is fb else (s,)))
+        return dict(sorted((stage, peak[stage]) for stage in dict.fromkeys(met)))
 
 
-def _last_backward(schedule: Schedule) -> Kind:
-    """W if the schedule splits the backward (an FB's halves are an F and a B), else B."""
-    return Kind.W if any(a[0] is Kind.W for acts in schedule.values() for a in acts) else Kind.B
+def _last_backward(kinds: Iterable[list[Kind]]) -> Kind:
+    """W if the schedule (each rank's kinds) splits the backward (an FB's halves are an F and a B), else B."""
+    return Kind.W if any(any(map(is_, k, repeat(Kind.W))) for k in kinds) else Kind.B
 
 
 def inflight_counts(schedule: Schedule) -> dict[int, list[dict[int, int]]]:
@@ -122,7 +176,7 @@ def inflight_counts(schedule: Schedule) -> dict[int, list[dict[int, int]]]:
     the last backward action (what a rank holding several stages holds at once: ``memory_model.py``). A
     stage's actions all run on one rank in list order, so counting along the list is exact (an FB as its
     F, then its B)."""
-    last = _last_backward(schedule)
+    last = _last_backward(list(map(itemgetter(0), acts)) for acts in schedule.values())
     out: dict[int, list[dict[int, int]]] = {}
     for rank, acts in schedule.items():
         live: dict[int, set[int]] = {}
