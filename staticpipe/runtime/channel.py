@@ -121,9 +121,7 @@ class InProcessChannel(Channel):
                 if key in self._box:
                     self._waiting.pop(key, None)
                     return self._box.pop(key)
-                if self._aborted is not None:
-                    self._waiting.pop(key, None)
-                self._check()
+                self._check()  # an abort has emptied ``_waiting``
 
     def allreduce(self, key: Hashable, rank: int, value: np.ndarray, ranks: int) -> np.ndarray:
         """Added in rank order, so every rank gets bit-identical results."""

@@ -100,15 +100,14 @@ class DeviceWorker:
         """Run the rank's actions for one step. A failure here aborts the channel at once, so that every
         other rank stops at its next receive, and is raised as the stage's ``StageError`` (Ctrl-C as it is)."""
         try:
-            try:
-                return self._run_step(job)
-            finally:
-                job.channel.wake()
+            return self._run_step(job)
         except PipelineAborted:
             raise
         except BaseException as exc:
             job.channel.abort(str(exc) if isinstance(exc, StageError) else "interrupted")
             raise
+        finally:  # the receivers of its last messages
+            job.channel.wake()
 
     def _run_step(self, job: StepJob) -> StepResult:
         result = StepResult()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from itertools import chain, repeat
 from operator import itemgetter
 from typing import Callable, Iterable, NamedTuple
 
@@ -89,14 +88,6 @@ def _awaited_send(recv: Action) -> str:
     return f"{recv.peer}SEND_{recv.channel}{recv.microbatch}>{recv.stage} on route {recv.route}"
 
 
-def execute(schedule: Schedule, num_stages: int, duration: Callable[[Action], float],
-            collectives: bool = False) -> list[Event]:
-    """The (rank, action, start, end) of every action, each rank's in list order; ``ScheduleError`` on
-    a deadlock, a message sent twice, received twice, received by the wrong stage, or never received."""
-    times = timeline(schedule, num_stages, duration, collectives).times
-    return list(chain.from_iterable(zip(repeat(r), schedule[r], *times[r]) for r in sorted(schedule)))
-
-
 Columns = tuple[list, ...]
 _FIELDS = tuple(itemgetter(k) for k in (0, 1, 2, 6, 7))
 
@@ -112,7 +103,7 @@ def columns_of(actions: list[Action]) -> Columns:
 
 
 class Timeline(NamedTuple):
-    """``execute``'s times, and what ``simulate`` adds up, taken as the walk goes: there each action's
+    """The walk's times, and what ``simulate`` adds up, taken as the walk goes: there each action's
     times are at hand, where a pass after it would fetch them from all over memory at scale."""
     times: dict[int, tuple[list[float], list[float]]]  # rank -> the starts and the ends of its actions
     busy: dict[int, float]  # rank -> its time in BUSY_KINDS, added up in list order
@@ -124,7 +115,9 @@ class Timeline(NamedTuple):
 
 def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], float] | dict[Kind, float] | None,
              collectives: bool = False, columns: dict[int, Columns] | None = None) -> Timeline:
-    """The walk behind ``execute``. ``duration`` may be a table of what each kind costs, looked up
+    """The dry run: every action's start and end (``times``: per rank, in list order); ``ScheduleError``
+    on a deadlock, a message sent twice, received twice, received by the wrong stage, or never received.
+    ``duration`` prices an action; it may be a table of what each kind costs, looked up
     without a call per action, or None: nothing is timed (``validate``'s dry run, which only needs the
     errors; ``times`` is then None). ``columns``: each rank's ``columns_of``, made here if not given.
 

@@ -7,7 +7,7 @@ and there are ``c`` cores, each runs at ``min(1, c / n)`` of its speed (processo
 what the operating system's scheduler approximates). A rank's actions still run in list order, each
 when its dependency is met, with the dependency rules of ``execution`` (a RECV waits for its SEND; with
 ``collectives`` no rank starts its first OPT before every rank has reached it). The schedule must
-already have passed ``execution.execute`` (the simulator runs it first), so deadlocks and malformed
+already have passed ``execution.timeline`` (the simulator runs it first), so deadlocks and malformed
 messages are reported there, by the engine that explains them.
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
                     finish(r, later, visit)
             visit = later
         if not running:
-            break  # every rank is done (``execute`` has already ruled out a deadlock)
+            break  # every rank is done (``timeline`` has already ruled out a deadlock)
         if busy:
             rate[shares] = min(1.0, cores / busy)
         step = float((left / rate).min())
