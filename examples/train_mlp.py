@@ -5,6 +5,7 @@ pipeline with 8 micro-batches, trains from a generator data loader as Paddle's p
 gives micro-batches; ``train_from_dataset(main)`` reads the started loader) and prints throughput.
 
     python examples/train_mlp.py [--stages 2] [--microbatches 8] [--schedule 1F1B] [--steps 30]
+    python examples/train_mlp.py --stages 4 --width 64 --worker-threads 1   # tiny stages: one thread, least CPU
     python -m staticpipe.launch --nprocs 4 examples/train_mlp.py --dp-degree 2   # 2 replicas x 2 stages
 """
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--dp-degree", type=int, default=1, help="data-parallel replicas (needs a multi-process launch)")
+    ap.add_argument("--worker-threads", type=int, default=None,
+                    help="threads that run the CPU stages (default: one per stage device)")
     args = ap.parse_args()
 
     net = build_mlp(num_stages=args.stages, in_dim=args.width, hidden=args.width, depth=args.depth)
@@ -60,7 +63,7 @@ def main() -> None:
     loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, capacity=8, iterable=False)
     loader.set_sample_generator(teacher_reader(args.batch * args.steps, args.width),
                                 batch_size=args.batch // args.microbatches)  # a loader batch is a micro-batch
-    exe = staticpipe.Executor()
+    exe = staticpipe.Executor(worker_threads=args.worker_threads)
     exe.run(net.startup)
     loader.start()
     start = time.perf_counter()

@@ -132,9 +132,10 @@ def tensor_bytes(scope: core._Scope, name: str) -> int:
 def tensor_of(scope: core._Scope, name: str, where: object) -> core.LoDTensor:
     """The tensor ``name`` holds in ``scope``; ``RuntimeError`` naming ``where`` it was missing."""
     var = scope.find_var(name)
-    if var is None or not var.get_tensor()._is_initialized():
+    tensor = var.get_tensor() if var is not None else None
+    if tensor is None or not tensor._is_initialized():
         raise RuntimeError(f"variable '{name}' has no value in {where}")
-    return var.get_tensor()
+    return tensor
 
 
 def clear_device_tags(program: framework.Program) -> framework.Program:

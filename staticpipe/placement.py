@@ -204,7 +204,7 @@ def place_of(device: str, launched: bool = False) -> core.Place:
     if count == 0:
         if not _warned:
             log.warning("staticpipe: CUDA is not available; every gpu:k stage runs as a CPU device "
-                        "(its own worker thread and thread budget on CPUPlace)")
+                        "(its own worker and thread budget on CPUPlace)")
             _warned = True
         return core.CPUPlace()
     if launched and process_gpu() is not None:

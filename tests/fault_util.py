@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Iterator
 
+import greenlet
+
 from models import build_mlp
 from pipeline_util import minimize
 from staticpipe._paddle import paddle
@@ -72,10 +74,10 @@ class _Tracker:
 
     def stuck(self, device: str) -> bool:
         ch, key = self.waiting[device]
-        with ch._cond:
+        with ch._lock:
             if key[0] == "allreduce":  # the barrier before the updates: stuck until every rank is in it
-                slot = ch._sums.get(key[1])
-                return (slot is None or slot["result"] is None) and ch._aborted is None
+                total = ch._sums.get(key[1])
+                return (total is None or total.result is None) and ch._aborted is None
             return key not in ch._box and ch._aborted is None
 
     def quiet(self, me: str, devices: tuple[str, ...]) -> bool:
@@ -102,7 +104,7 @@ def inject(target: str, quiesce: bool = False) -> Iterator[_Tracker]:
     saved_walk = optimize_phase._walk
     saved_recv = channel_mod.InProcessChannel.recv
     saved_allreduce = channel_mod.InProcessChannel.allreduce
-    device_of_thread: dict[int, str] = {}
+    device_of_rank: dict[greenlet.greenlet, str] = {}  # a rank's greenlet (its thread's, alone on it) -> device
 
     def fail(device: str, job, label: str) -> None:
         if quiesce:
@@ -126,8 +128,8 @@ def inject(target: str, quiesce: bool = False) -> Iterator[_Tracker]:
         return (yield from saved_walk(worker_, job, stage, sent))
 
     def run_step(self, job):
-        me = threading.get_ident()
-        device_of_thread[me] = self.device
+        me = greenlet.getcurrent()
+        device_of_rank[me] = self.device
         with tracker.lock:
             tracker.running[self.device] = tracker.running.get(self.device, 0) + 1
         try:
@@ -135,11 +137,11 @@ def inject(target: str, quiesce: bool = False) -> Iterator[_Tracker]:
         finally:
             with tracker.lock:
                 tracker.running[self.device] -= 1
-            device_of_thread.pop(me, None)
+            device_of_rank.pop(me, None)
 
     def waits(original, wait_key):
         def call(self, key, *rest):
-            device = device_of_thread.get(threading.get_ident())
+            device = device_of_rank.get(greenlet.getcurrent())
             if device is not None:
                 with tracker.lock:
                     tracker.waiting[device] = (self, wait_key(key))

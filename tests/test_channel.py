@@ -1,11 +1,11 @@
-"""The in-process channel: messages keyed by (route, micro-batch), a receiver parked until its sender wakes
+"""The in-process channel, between threads outside lanes: messages keyed by (route, micro-batch), a receiver parked until its sender wakes
 it, abort waking every parked receiver, and the poll that finds a message nobody woke it for."""
 import threading
 
 import numpy as np
 import pytest
 
-from staticpipe.runtime import channel as channel_mod
+from staticpipe.runtime import lanes
 from staticpipe.runtime.channel import InProcessChannel
 from staticpipe.runtime.errors import PipelineAborted
 
@@ -40,7 +40,7 @@ def test_a_message_sent_before_its_receive_is_taken_at_once_and_only_once():
 
 
 def test_a_parked_receiver_wakes_when_its_sender_calls_wake(monkeypatch):
-    monkeypatch.setattr(channel_mod, "POLL_S", 3600.0)  # no poll: only a wake can end the wait
+    monkeypatch.setattr(lanes, "POLL_S", 3600.0)  # no poll: only a wake can end the wait
     channel = InProcessChannel()
     thread, out = parked_receiver(channel, (3, 0))
     message = {"y": np.ones(2)}
@@ -56,7 +56,7 @@ def test_a_parked_receiver_wakes_when_its_sender_calls_wake(monkeypatch):
 @pytest.mark.parametrize("then", ["recv", "allreduce", "flush"])
 def test_the_senders_own_blocking_calls_wake_its_receivers_first(monkeypatch, then):
     """A sender that goes on to wait itself must not leave its receiver parked (both would wait)."""
-    monkeypatch.setattr(channel_mod, "POLL_S", 3600.0)
+    monkeypatch.setattr(lanes, "POLL_S", 3600.0)
     channel = InProcessChannel()
     thread, out = parked_receiver(channel, (5, 2))
     channel.send((5, 2), {"z": np.zeros(1)}, 1)
@@ -72,7 +72,7 @@ def test_the_senders_own_blocking_calls_wake_its_receivers_first(monkeypatch, th
 
 
 def test_abort_wakes_every_parked_receiver_with_the_reason(monkeypatch):
-    monkeypatch.setattr(channel_mod, "POLL_S", 3600.0)
+    monkeypatch.setattr(lanes, "POLL_S", 3600.0)
     channel = InProcessChannel()
     receivers = [parked_receiver(channel, (r, 0)) for r in range(3)]
     channel.abort("stage 2 failed")
@@ -88,7 +88,7 @@ def test_abort_wakes_every_parked_receiver_with_the_reason(monkeypatch):
 
 
 def test_a_receiver_nobody_wakes_finds_its_message_at_its_next_poll(monkeypatch):
-    monkeypatch.setattr(channel_mod, "POLL_S", 0.01)
+    monkeypatch.setattr(lanes, "POLL_S", 0.01)
     channel = InProcessChannel()
     thread, out = parked_receiver(channel, (1, 4))
     channel.send((1, 4), {"w": 1}, 1)  # and this thread never calls wake

@@ -14,9 +14,11 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-EXAMPLES = {  # script -> (small arguments, a line its last output must match)
+EXAMPLES = {  # script (a case after a space) -> (small arguments, a line its last output must match)
     "train_mlp.py": (["--steps", "3", "--width", "64", "--batch", "64"],
                      r"^3 steps of 64 samples in [\d.]+ s: [\d.]+ samples/s on 2 pipeline stages; loss [\d.]+ -> [\d.]+$"),
+    "train_mlp.py one thread": (["--steps", "3", "--width", "64", "--batch", "64", "--stages", "4", "--worker-threads", "1"],
+                                r"^3 steps of 64 samples in [\d.]+ s: [\d.]+ samples/s on 4 pipeline stages; loss [\d.]+ -> [\d.]+$"),
     "train_dlrm.py": (["--steps", "3"], r"^devices \['cpu', 'gpu:0', 'gpu:1'\]; loss [\d.]+ -> [\d.]+$"),
     "train_gpt.py": (["--steps", "3"], r"^loss [\d.]+ -> [\d.]+; activation memory per stage: \{0: "),
     "auto_partition.py": (["--steps", "2", "--batch", "16", "--microbatches", "4"],
@@ -31,7 +33,7 @@ EXAMPLES = {  # script -> (small arguments, a line its last output must match)
 @pytest.mark.parametrize("script", sorted(EXAMPLES))
 def test_example_runs(script, tmp_path):
     args, last = EXAMPLES[script]
-    cmd = [sys.executable, os.path.join(REPO, "examples", script)] + [a.format(tmp=tmp_path) for a in args]
+    cmd = [sys.executable, os.path.join(REPO, "examples", script.split()[0])] + [a.format(tmp=tmp_path) for a in args]
     env = {k: v for k, v in os.environ.items() if k not in ("STATICPIPE_LEGACY_IR", "FLAGS_enable_pir_api")}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

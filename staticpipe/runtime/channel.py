@@ -10,16 +10,15 @@ methods (``distributed.py``).
 from __future__ import annotations
 
 import threading
-from _thread import allocate_lock as _allocate_lock
 from abc import ABC, abstractmethod
 from typing import Any, Hashable
 
 import numpy as np
 
+from . import lanes
 from .errors import PipelineAborted
 
 Message = dict[str, Any]  # cut variable name -> tensor (already on the receiver's place)
-POLL_S = 0.05
 
 
 class Channel(ABC):
@@ -67,27 +66,24 @@ class Channel(ABC):
 
 
 class InProcessChannel(Channel):
-    """Workers of one process: a mailbox keyed by message, under one lock. A receiver that finds its
-    message missing parks on a raw lock of its own; the send leaves the message in the mailbox and the
-    sending thread releases that lock at its next ``wake`` (Channel's docstring says when).
+    """Ranks of one process: a mailbox keyed by message, under one lock. A receiver whose message is
+    missing leaves its waiter (``lanes.py``: its lane and greenlet) under the key and gives way; the send
+    leaves the message in the mailbox and makes the receiver ready, and when the receiver's lane sleeps
+    on another thread, the sending thread wakes it at its next ``wake`` (Channel's docstring says when).
 
-    Why so: a hand-off is the runtime's dearest step on a machine with fewer cores than stages, and a
-    woken thread that must wait again costs another pair of context switches. With a
-    ``threading.Condition`` on the mailbox lock (the previous design) the receiver woke while the sender
-    still held that lock, and then again while the sender held the GIL; each wait also built a Condition
-    and a lock in Python. Now the receiver is woken outside the mailbox lock, and when the sender is
-    about to give up the GIL (a compute action, its own receive, the end of its step), so it usually
-    wakes once, to a free mailbox and a free interpreter. A raw lock is what a Condition parks on, without
-    the Python around it."""
+    Why so: a hand-off between threads is the runtime's dearest step on a machine with fewer cores than
+    ranks, and a woken thread that must wait again costs another pair of context switches. So the
+    receiver is woken outside the mailbox lock, and when the sender is about to give up the GIL (a
+    compute action, its own receive, the end of its step): it usually wakes once, to a free mailbox and
+    a free interpreter. Between ranks of one lane there is no thread to wake at all."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # guards everything here
-        self._cond = threading.Condition(self._lock)  # allreduce's
         self._box: dict[Hashable, Message] = {}
-        self._waiting: dict[Hashable, Any] = {}  # message key -> its receiver's parked lock (held until sent)
-        self._sums: dict[Hashable, dict] = {}
+        self._waiting: dict[Hashable, tuple] = {}  # message key -> its receiver's waiter (until sent)
+        self._sums: dict[Hashable, _Sum] = {}
         self._aborted: str | None = None
-        self._wakes = threading.local()  # per sending thread: the parked receivers it has yet to wake
+        self._wakes = threading.local()  # per sending thread: the sleeping lanes it has yet to wake
 
     def send(self, key: Hashable, message: Message, dst_stage: int) -> None:
         with self._lock:
@@ -96,27 +92,24 @@ class InProcessChannel(Channel):
                 raise RuntimeError(f"message {key} was sent twice")
             self._box[key] = message
             waiter = self._waiting.pop(key, None)
-        if waiter is not None:
-            pending = getattr(self._wakes, "locks", None)
-            if pending is None:
-                pending = self._wakes.locks = []
-            pending.append(waiter)
+            if waiter is not None:
+                self._ready(waiter)
 
     def wake(self) -> None:
-        pending = getattr(self._wakes, "locks", None)
+        pending = getattr(self._wakes, "lanes", None)
         while pending:
-            pending.pop().release()
+            pending.pop().wake()
 
     def recv(self, key: Hashable, src_stage: int) -> Message:
         self.wake()
+        lane = lanes.current()
         with self._lock:
             if key in self._box:
                 return self._box.pop(key)
             self._check()
-            waiter = self._waiting[key] = _allocate_lock()
-            waiter.acquire()
+            self._waiting[key] = lane.waiter()
         while True:
-            waiter.acquire(True, POLL_S)  # released by the send, or by an abort
+            lane.give_way()  # until the send (or an abort) makes this rank ready
             with self._lock:
                 if key in self._box:
                     self._waiting.pop(key, None)
@@ -126,39 +119,72 @@ class InProcessChannel(Channel):
     def allreduce(self, key: Hashable, rank: int, value: np.ndarray, ranks: int) -> np.ndarray:
         """Added in rank order, so every rank gets bit-identical results."""
         self.wake()
-        with self._cond:
-            slot = self._sums.setdefault(key, {"parts": {}, "result": None, "taken": 0})
-            slot["parts"][rank] = value
-            if len(slot["parts"]) == ranks:
-                parts = [slot["parts"][r] for r in range(ranks)]
-                slot["result"] = sum(parts[1:], parts[0].copy())
-                self._cond.notify_all()
-            while slot["result"] is None:
+        lane = lanes.current()
+        with self._lock:
+            self._check()
+            total = self._sums.setdefault(key, _Sum())
+            total.parts[rank] = value
+            if len(total.parts) == ranks:
+                parts = [total.parts[r] for r in range(ranks)]
+                total.result = sum(parts[1:], parts[0].copy())
+                for waiter in total.waiters:
+                    self._ready(waiter)
+                total.waiters = []
+            else:
+                total.waiters.append(lane.waiter())
+        while total.result is None:
+            lane.give_way()
+            with self._lock:
                 self._check()
-                self._cond.wait(POLL_S)
-            slot["taken"] += 1
-            if slot["taken"] == ranks:
+        with self._lock:
+            total.taken += 1
+            if total.taken == ranks:
                 del self._sums[key]
-            return slot["result"]
+        return total.result
 
     def abort(self, reason: str) -> None:
-        with self._cond:
+        with self._lock:
             self._aborted = reason
-            self._cond.notify_all()
             waiters, self._waiting = list(self._waiting.values()), {}
-        for waiter in waiters:
-            waiter.release()
+            for total in self._sums.values():
+                waiters += total.waiters
+                total.waiters = []
+            for waiter in waiters:
+                self._ready(waiter)
+        self.wake()
 
     def flush(self) -> None:
         self.wake()
 
     def reset(self) -> None:
-        with self._cond:
+        with self._lock:
             self._box.clear()
             self._waiting.clear()
             self._sums.clear()
             self._aborted = None
 
+    def _ready(self, waiter: tuple) -> None:
+        """Under the lock: make a waiting receiver ready; its lane, if asleep, is woken at this thread's next
+        ``wake``."""
+        lane, g = waiter
+        if lane.ready(g):
+            pending = getattr(self._wakes, "lanes", None)
+            if pending is None:
+                pending = self._wakes.lanes = []
+            pending.append(lane)
+
     def _check(self) -> None:
         if self._aborted is not None:
             raise PipelineAborted(self._aborted)
+
+
+class _Sum:
+    """One in-process all-reduce: the parts so far, the total once all are in, who waits for it."""
+
+    __slots__ = ("parts", "result", "taken", "waiters")
+
+    def __init__(self) -> None:
+        self.parts: dict[int, np.ndarray] = {}
+        self.result: np.ndarray | None = None
+        self.taken = 0
+        self.waiters: list[tuple] = []

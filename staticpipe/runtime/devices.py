@@ -1,15 +1,22 @@
-"""This process's devices: a worker with its root scope, place and thread for each, and the channels
-between them.
+"""This process's devices: a worker with its root scope and place for each, the threads (lanes) that run
+them, and the channels between them.
 
-Why a thread per device: Paddle's executor releases the GIL while it runs ops, so stage workers on
-their own threads overlap the way stages on their own GPUs do; each thread's intra-op budget is set once
-when it starts. In a job started by a launcher (``placement.launched_world``) the process joins the
+Why threads: Paddle's executor releases the GIL while it runs ops, so stage workers on threads of
+their own overlap the way stages on their own GPUs do. By default each rank has a thread; with
+``worker_threads`` CPU ranks share fewer (``lanes.py``: a rank gives way to its lane's others where it
+would wait). Why not fewer by default: on 2 cores a 4-stage pipeline of large layers steps 9 % faster
+on 4 threads than on 2 (the operating system runs whichever rank is ready; a lane's ranks may all wait
+at once) and 1.7x faster than on 1. Why fewer at all: a message between threads costs a wake-up, 29 µs
+of CPU per message on a 2-core VM (11 on one core, 4 inside a lane), which only tiny stages feel: there
+one thread runs the pipeline with the least CPU (``bench/overhead.py``). A GPU rank keeps a thread of
+its own. In a job started by a launcher (``placement.launched_world``) the process joins the
 ``paddle.distributed`` job, starts the fault watchdog, runs only its own rank's stages, and talks to the
 other ranks through a ``DistributedChannel`` per stage layout.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import queue
 import threading
 import weakref
@@ -19,7 +26,7 @@ from .._paddle import core, paddle
 from ..capabilities import bf16_kernel_op, require_bf16
 from ..placement import device_map, generic_place, launched_world, place_of
 from ..plan import Plan, Stage
-from . import watchdog
+from . import lanes, watchdog
 from .channel import Channel, InProcessChannel
 from .distributed import DistributedChannel, init_distributed
 from .worker import DeviceWorker
@@ -28,17 +35,23 @@ from .worker import DeviceWorker
 class Devices:
     """Workers of this process, created on first use; ``threads_per_stage``: each CPU worker's intra-op
     thread budget, one number or ``{device: threads}`` (devices not named get 1); ``mapping``: the
-    device that runs each pipeline device it names (``placement.device_map``)."""
+    device that runs each pipeline device it names (``placement.device_map``); ``worker_threads``: how
+    many threads run the CPU ranks (default: one per rank)."""
 
-    def __init__(self, threads_per_stage: int | dict[str, int] = 1, mapping: dict[str, str] | None = None):
+    def __init__(self, threads_per_stage: int | dict[str, int] = 1, mapping: dict[str, str] | None = None,
+                 worker_threads: int | None = None):
         budgets = threads_per_stage.values() if isinstance(threads_per_stage, dict) else [threads_per_stage]
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in budgets):
+        if not all(_count(n) for n in budgets):
             raise ValueError("threads_per_stage must be an integer >= 1 or a dict device -> integer >= 1, "
                              f"got {threads_per_stage!r}")
+        if worker_threads is not None and not _count(worker_threads):
+            raise ValueError(f"worker_threads must be None (one per rank) or an integer >= 1, got {worker_threads!r}")
         self.threads_per_stage = threads_per_stage
+        self.worker_threads = worker_threads
         self.device_map = device_map(mapping)
         self.workers: dict[str, DeviceWorker] = {}
         self._threads: dict[str, StageThread] = {}
+        self._lanes: dict[tuple[str, ...], list[list[int]]] = {}  # see lanes_of
         self._in_process: Channel = InProcessChannel()
         self._channels: dict[tuple, Channel] = {}
         self.world = launched_world()  # (rank, size) when started by a multi-process launcher
@@ -58,23 +71,47 @@ class Devices:
             w = self.workers[device] = DeviceWorker(device, place, core.Scope(), generic_place(place))
         return w
 
-    def submit(self, device: str, future: cf.Future, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on ``device``'s worker thread, its outcome set on ``future``. The caller makes
-        the future and keeps it before the hand-off: an interrupt anywhere in here leaves it a future that
-        is either cancellable (not started, maybe never queued) or running (``StepRunner`` relies on it)."""
-        thread = self._threads.get(device)
+    def lanes_of(self, devices: list[str]) -> list[list[int]]:
+        """Which ranks (positions in ``devices``, one device per rank, in rank order) each thread runs: CPU
+        ranks in ``worker_threads`` groups of consecutive ranks (a message inside a group costs no wake-up,
+        and pipeline neighbours share a group), else each alone; a GPU rank, and every rank of a launched
+        job (whose channel blocks its thread), alone. Worked out once per list of devices."""
+        key = tuple(devices)
+        if key not in self._lanes:
+            self._lanes[key] = self._grouped(devices)
+        return self._lanes[key]
+
+    def _grouped(self, devices: list[str]) -> list[list[int]]:
+        cpu = [i for i, d in enumerate(devices) if self.world is None and isinstance(self.place_of(d), core.CPUPlace)]
+        n = min(len(cpu), self.worker_threads or len(cpu))
+        groups = [cpu[k * len(cpu) // n:(k + 1) * len(cpu) // n] for k in range(n)]
+        return sorted(groups + [[i] for i in range(len(devices)) if i not in cpu])
+
+    def run_lane(self, devices: list[str], jobs: list[Any], channel: Channel) -> list[lanes.Outcome]:
+        """Run each device's worker's step on its job, all on the calling thread (a ``Lane``), each rank
+        with its device's intra-op thread budget; their outcomes, in order. An interrupt between ranks
+        aborts the channel, so that the other ranks stop too."""
+        budgets = [self._budget(d) for d in devices]
+        core.set_num_threads(budgets[0])  # 0.5 µs, and the caller may have changed it since
+        calls = [(functools.partial(self.worker(d).run_step, job),
+                  functools.partial(core.set_num_threads, b) if len(set(budgets)) > 1 else _nothing)
+                 for d, job, b in zip(devices, jobs, budgets)]
+        return lanes.Lane().run(calls, lambda: channel.abort("interrupted"))
+
+    def submit(self, devices: list[str], future: cf.Future, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the thread of the lane of ``devices``, its outcome set on ``future``. The
+        caller makes the future and keeps it before the hand-off: an interrupt anywhere in here leaves it a
+        future that is either cancellable (not started, maybe never queued) or running (``StepRunner``
+        relies on it)."""
+        name = "+".join(devices)
+        thread = self._threads.get(name)
         if thread is None:
-            budget = self.threads_per_stage
-            thread = self._threads[device] = StageThread(
-                f"staticpipe-{device}", budget.get(device, 1) if isinstance(budget, dict) else budget)
+            thread = self._threads[name] = StageThread(f"staticpipe-{name}")
         thread.submit(future, fn, args)
 
-    def run_here(self, device: str, job: Any) -> Any:
-        """Run ``device``'s worker's step on the calling thread, with the device's intra-op thread budget
-        (set every time: 0.5 µs, and the caller may have changed it since)."""
+    def _budget(self, device: str) -> int:
         budget = self.threads_per_stage
-        core.set_num_threads(budget.get(device, 1) if isinstance(budget, dict) else budget)
-        return self.worker(device).run_step(job)
+        return budget.get(device, 1) if isinstance(budget, dict) else budget
 
     def local_stages(self, plan: Plan) -> list[Stage]:
         """The stages this process runs: all of them, or its rank's when launched as several processes."""
@@ -133,11 +170,11 @@ class StageThread:
     the caller makes each call's future and keeps it before the hand-off.
     """
 
-    def __init__(self, name: str, intra_op_threads: int):
+    def __init__(self, name: str):
         calls: queue.SimpleQueue = queue.SimpleQueue()
         self._calls = calls
         self._end = weakref.finalize(self, calls.put, None)
-        self._thread = threading.Thread(target=_serve, args=(calls, intra_op_threads), name=name, daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(calls,), name=name, daemon=True)
         try:
             self._thread.start()
         except BaseException:  # interrupted: if it started after all, it ends at once
@@ -153,7 +190,7 @@ class StageThread:
         self._thread.join()
 
 
-def _serve(calls: queue.SimpleQueue, intra_op_threads: int) -> None:
+def _serve(calls: queue.SimpleQueue) -> None:
     """A ``StageThread``'s loop (a function, not a method: the thread must not keep its object alive)."""
     ready = False
     while (call := calls.get()) is not None:
@@ -163,9 +200,16 @@ def _serve(calls: queue.SimpleQueue, intra_op_threads: int) -> None:
             try:
                 if not ready:  # Paddle's static/dygraph mode is thread-local: a new thread enters it itself
                     paddle.enable_static()
-                    core.set_num_threads(intra_op_threads)
                     ready = True
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 -- the step raises it
                 future.set_exception(exc)
         del future, fn, args  # a finished step's data is not kept until the next one
+
+
+def _count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _nothing() -> None:
+    """A lane whose ranks share one intra-op budget sets it once, not at every switch."""

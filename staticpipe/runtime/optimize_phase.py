@@ -55,7 +55,7 @@ def run_optimizers(worker: DeviceWorker, job: StepJob, stages: tuple[int, ...]) 
     """Run the optimize sections of this rank's ``stages`` together (module docstring)."""
     plan = job.plan
     rank = plan.stages[stages[0]].rank
-    if stages[0] == job.program.first_optimizer:  # every rank's forwards and backwards are done
+    if stages[0] == job.program.first_optimizer and len(plan.ranks) > 1:  # every rank's forwards and backwards are done
         job.channel.allreduce(("opt", "ready"), rank, np.zeros(1, np.float32), len(plan.ranks))
     sent: set[int] = set()  # exchanges this rank's stages have sent this step
     walks = {s: _walk(worker, job, s, sent) for s in stages}

@@ -19,6 +19,7 @@ from .._paddle import core, np
 from ..ir import free_scope, is_pir_program, np_dtype, tensor_bytes, tensor_of
 from ..plan import BACKWARD, FORWARD, INIT, WEIGHT, CutVar, Run, Section, Stage
 from ..schedule import Action, Kind
+from . import lanes
 from .errors import PASSING_THROUGH, PipelineAborted, StageError, check_finite_values, failing_as
 from .jobs import RankProgram, StepJob, StepResult
 from .optimize_phase import run_optimizers
@@ -113,7 +114,8 @@ class DeviceWorker:
         result = StepResult()
         program, record = job.program, job.record
         scopes: dict[tuple[int, int], core._Scope] = {}
-        cpu = time.thread_time() if record is not None else 0.0
+        lane = lanes.current() if record is not None else None  # a rank's CPU leaves out its lane's others'
+        cpu = time.thread_time() - lane.away_cpu() if lane is not None else 0.0
         try:
             for i, action in enumerate(program.actions):
                 started = time.perf_counter() if record is not None else 0.0
@@ -139,7 +141,7 @@ class DeviceWorker:
                 for stage, mb in program.last_use.get(i, ()):
                     self._release(program, stage, mb, scopes.pop((stage, mb)))
                 if record is not None:  # the thread's CPU since the last record: the action and its upkeep
-                    ended, spent = time.perf_counter(), time.thread_time()
+                    ended, spent = time.perf_counter(), time.thread_time() - lane.away_cpu()
                     record(action, started, ended, spent - cpu)
                     cpu = spent
         finally:  # a failed step leaves no half-used micro-batch scope behind
@@ -183,7 +185,9 @@ class DeviceWorker:
             check_finite_values(section.run.program, scope, dict.fromkeys(made))
         if a.kind is Kind.F:
             held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, a.microbatch, scope)
-            stats = self.memory.setdefault(a.stage, MemoryStats())
+            stats = self.memory.get(a.stage)
+            if stats is None:  # (setdefault would build a MemoryStats on every forward)
+                stats = self.memory[a.stage] = MemoryStats()
             stats.add(held, 1)
             self.device_memory.add(held, 1)
             if stats.step_value_bytes is None:  # once: their sizes are the parameters'
