@@ -3,6 +3,7 @@
 and training that is the same, to the bit, whatever the number of worker threads."""
 import functools
 import threading
+import time
 
 import numpy as np
 import paddle
@@ -211,3 +212,58 @@ def test_a_failing_rank_on_a_shared_thread_stops_the_step_and_the_next_step_trai
         assert np.isfinite(loss)
     finally:
         exe.close()
+
+
+def test_a_wake_up_lost_to_an_interrupt_costs_a_poll_not_a_hang(monkeypatch):
+    """An interrupt between the channel taking a waiter and making it ready loses the wake-up: the lane's
+    poll makes its ranks look again, and the waiting rank finds its message."""
+    monkeypatch.setattr(lanes, "POLL_S", 0.01)
+    channel, lost = InProcessChannel(), []
+    ready = lanes.Lane.ready
+
+    def loses_the_first(self, g):
+        if not lost:
+            lost.append(g)
+            return False  # as if interrupted before the greenlet was queued
+        return ready(self, g)
+    monkeypatch.setattr(lanes.Lane, "ready", loses_the_first)
+    other = threading.Thread(target=lambda: (time.sleep(0.05), channel.send("m", {"v": 1}, 0), channel.wake()))
+    other.start()
+    assert run_lane([lambda: channel.recv("m", 1)["v"], lambda: 2], channel) == [(1, None), (2, None)]
+    other.join(JOIN_S)
+    assert len(lost) == 1
+
+
+def test_an_interrupt_before_a_lane_starts_leaves_no_lane_on_its_thread(monkeypatch):
+    def interrupted_start(*args, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lanes.greenlet, "greenlet", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        run_lane([nothing, nothing], InProcessChannel())
+    assert getattr(lanes._local, "lane", None) is None and lanes.current()._hub is None
+
+
+def test_a_second_interrupt_still_lets_every_rank_clean_up():
+    """Ctrl-C twice: the first as the lane switches ranks, the second inside the abort it calls. The run
+    raises, and no rank is left suspended holding its scopes: each rank's own cleanup has run."""
+    channel, held, switches = InProcessChannel(), set(), []
+
+    def rank(name, key):
+        def run():
+            held.add(name)
+            try:
+                return channel.recv(key, 0)
+            finally:
+                held.discard(name)
+        return run
+
+    def enter():
+        switches.append(1)
+        if len(switches) == 2:
+            raise KeyboardInterrupt("first")
+
+    def interrupted():
+        raise KeyboardInterrupt("second")
+    with pytest.raises(KeyboardInterrupt):
+        lanes.Lane().run([(rank("r0", "a"), enter), (rank("r1", "b"), enter)], interrupted)
+    assert held == set() and getattr(lanes._local, "lane", None) is None

@@ -47,6 +47,7 @@ class Lane:
         self._wake.acquire()
         self._hub: greenlet.greenlet | None = None  # the greenlet of ``run``; None: a thread outside lanes
         self._away: dict[greenlet.greenlet, float] = {}  # greenlet -> thread CPU spent while it gave way
+        self._lets: list[greenlet.greenlet] = []  # the ranks ``run`` runs
 
     def waiter(self) -> tuple["Lane", greenlet.greenlet | None]:
         """What a receive that must wait leaves for ``ready``: this lane and the greenlet to resume."""
@@ -74,8 +75,9 @@ class Lane:
         if self._hub is None:
             self._wake.acquire(True, POLL_S)
             return
-        me, cpu = greenlet.getcurrent(), time.thread_time()
+        cpu = time.thread_time()
         self._hub.switch()
+        me = greenlet.getcurrent()  # (not held across the switch: a suspended frame holding its own greenlet)
         self._away[me] = self._away.get(me, 0.0) + time.thread_time() - cpu
 
     def away_cpu(self) -> float:
@@ -92,8 +94,8 @@ class Lane:
         error) and is raised once every rank has finished."""
         outcomes: list[Outcome | None] = [None] * len(calls)
         if len(calls) == 1:  # a rank alone needs no greenlet: its waits park the thread (its own lane)
+            calls[0][1]()
             try:
-                calls[0][1]()
                 return [(calls[0][0](), None)]
             except BaseException as exc:  # noqa: BLE001 -- as a greenlet's
                 return [(None, _stopping(exc, interrupted))]
@@ -104,17 +106,18 @@ class Lane:
             except BaseException as exc:  # noqa: BLE001 -- handed to the step, which raises it
                 outcomes[i] = (None, _stopping(exc, interrupted))
 
-        self._hub = greenlet.getcurrent()
-        _local.lane = self
-        lets = [greenlet.greenlet(lambda i=i, c=c: body(i, c)) for i, (c, _) in enumerate(calls)]
-        enter = {g: e for g, (_, e) in zip(lets, calls)}
-        self._ready.extend(lets)
-        live, last, failure = len(lets), None, None
+        lets: list[greenlet.greenlet] = []
+        failure = None
         try:
+            self._hub, _local.lane, self._lets = greenlet.getcurrent(), self, lets
+            lets += [greenlet.greenlet(lambda i=i, c=c: body(i, c)) for i, (c, _) in enumerate(calls)]
+            enter = {g: e for g, (_, e) in zip(lets, calls)}
+            self._ready.extend(lets)
+            live, last = len(lets), None
             while live:
                 try:
                     g = self._next()
-                    if g is None or g.dead:  # (dead: queued twice by an interrupt's looking again)
+                    if g is None or g.dead:  # (dead: queued twice by an interrupt's or a poll's looking again)
                         continue
                     if g is not last:
                         enter[g]()
@@ -125,30 +128,41 @@ class Lane:
                     if failure is None:
                         failure = exc
                         interrupted()
-                    # every unfinished rank looks again (one popped but not resumed too): each stops at its
-                    # next wait, on the error ``interrupted`` left
-                    with self._lock:
-                        self._ready.clear()
-                        self._ready.extend(g for g in lets if not g.dead)
+                    self._look_again()  # one popped but not resumed too: each stops at its next wait
                     live = sum(not g.dead for g in lets)
             if failure is not None:
                 raise failure
             return outcomes  # type: ignore[return-value]
         finally:
-            self._hub, _local.lane = None, None
+            self._hub, _local.lane, self._lets = None, None, []
+            for g in lets:  # left suspended only by a second interrupt: its step's cleanup runs now
+                if not g.dead:
+                    with suppress(BaseException):  # an error is on its way out already
+                        g.throw()
             self._ready.clear()
             self._away.clear()
 
     def _next(self) -> greenlet.greenlet | None:
-        """The next ready greenlet, or None after sleeping until one may be (``ready`` or a poll)."""
+        """The next ready greenlet, or None after sleeping until one may be (``ready`` or a poll). A poll
+        that finds nothing makes every rank look again, so that a wake-up lost to an interrupt (a waiter
+        taken from the channel but never made ready) costs ``POLL_S``, never a hang."""
         with self._lock:
             if self._ready:
                 return self._ready.popleft()
             self._parked = True
-        self._wake.acquire(True, POLL_S)
+        woken = self._wake.acquire(True, POLL_S)
         with self._lock:
             self._parked = False
+        if not woken:
+            self._look_again()
         return None
+
+    def _look_again(self) -> None:
+        """Make every unfinished rank ready: each one resumed re-checks what it waits for (the channel's
+        loops allow for that), and gives way again or raises the channel's abort."""
+        with self._lock:
+            self._ready.clear()
+            self._ready.extend(g for g in self._lets if not g.dead)
 
 
 def _stopping(exc: BaseException, interrupted: Callable[[], None]) -> BaseException:
