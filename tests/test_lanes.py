@@ -267,3 +267,24 @@ def test_a_second_interrupt_still_lets_every_rank_clean_up():
     with pytest.raises(KeyboardInterrupt):
         lanes.Lane().run([(rank("r0", "a"), enter), (rank("r1", "b"), enter)], interrupted)
     assert held == set() and getattr(lanes._local, "lane", None) is None
+
+
+def test_ranks_of_one_thread_run_with_their_own_intra_op_budgets(monkeypatch):
+    """A thread that runs stages of different ``threads_per_stage`` budgets sets the budget of the rank it
+    switches to; the losses are those of a thread per stage."""
+    from staticpipe.runtime import devices as devices_mod
+    budgets = {"gpu:0": 2, "gpu:1": 1}
+    losses, set_to = {}, []
+    for threads in (None, 1):
+        net = build_pipeline("1F1B")
+        exe = staticpipe.Executor(worker_threads=threads, threads_per_stage=budgets)
+        exe.run(net.startup)
+        exe.set_state_dict(net.main, {n: np.full_like(v, 0.01) for n, v in exe.state_dict(net.main).items()})
+        if threads == 1:
+            real = devices_mod.core.set_num_threads
+            monkeypatch.setattr(devices_mod.core, "set_num_threads", lambda n: (set_to.append(n), real(n))[1])
+        losses[threads] = [float(exe.run(net.main, feed=net.random_batch(8, seed), fetch_list=[net.loss])[0])
+                           for seed in range(2)]
+        exe.close()
+    assert losses[1] == losses[None]
+    assert set(set_to) == {1, 2} and set_to.count(1) > 2 and set_to.count(2) > 2

@@ -91,12 +91,12 @@ class Devices:
         """Run each device's worker's step on its job, all on the calling thread (a ``Lane``), each rank
         with its device's intra-op thread budget; their outcomes, in order. An interrupt or error outside
         the ranks' own steps aborts the channel, so that the other lanes stop too."""
-        budgets = [self._budget(d) for d in devices]
-        core.set_num_threads(budgets[0])  # 0.5 µs, and the caller may have changed it since
-        calls = [(functools.partial(self.worker(d).run_step, job),
-                  functools.partial(core.set_num_threads, b) if len(set(budgets)) > 1 else _nothing)
-                 for d, job, b in zip(devices, jobs, budgets)]
         try:
+            budgets = [self._budget(d) for d in devices]
+            core.set_num_threads(budgets[0])  # 0.5 µs, and the caller may have changed it since
+            calls = [(functools.partial(self.worker(d).run_step, job),
+                      functools.partial(core.set_num_threads, b) if len(set(budgets)) > 1 else _nothing)
+                     for d, job, b in zip(devices, jobs, budgets)]
             return lanes.Lane().run(calls, lambda: channel.abort("interrupted"))
         except BaseException as exc:  # before or between its ranks: the other lanes must not wait for them
             channel.abort(str(exc) if isinstance(exc, Exception) else "interrupted")
