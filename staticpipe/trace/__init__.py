@@ -23,7 +23,7 @@ COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)
 class Timeline:
     plan: Plan
     events: list[tuple[int, Action, float, float]]  # (rank, action, start, end), seconds from step start
-    cpu: dict[Action, float] = field(default_factory=dict)  # action -> its worker thread's CPU seconds, upkeep included
+    cpu: dict[Action, float] = field(default_factory=dict)  # action -> its rank's CPU seconds, upkeep included
 
     @classmethod
     def from_records(cls, plan: Plan, records: list[tuple[Action, float, float, float]]) -> "Timeline":
@@ -58,10 +58,10 @@ class Timeline:
 
     def action_costs(self) -> dict[Action, float]:
         """What each action would have cost alone, for the simulator to price other schedules with
-        (``auto_plan``). On a CPU device, the CPU seconds its worker thread spent from the end of the
-        action before to the end of this one and its upkeep (freeing a micro-batch's scope after its last
-        action), where the wall time also counts the waits for a core shared with other stage threads and
-        a RECV's wait for its message. On a CUDA device, a compute action's wall time (the worker waits
+        (``auto_plan``). On a CPU device, the CPU seconds its rank spent from the end of the action
+        before to the end of this one and its upkeep (freeing a micro-batch's scope after its last
+        action), less what other ranks of its thread spent meanwhile, where the wall time also counts the
+        waits for a core shared with other stage threads and a RECV's wait for its message. On a CUDA device, a compute action's wall time (the worker waits
         for the kernels; the thread may spin or sleep meanwhile) and, for messages and OPT (whose first
         waits for every rank), CPU seconds."""
         cuda = {r for r, device in enumerate(self.plan.ranks) if isinstance(place_of(device), core.CUDAPlace)}
