@@ -42,7 +42,8 @@ class Executor:
     named get 1). ``worker_threads``: how many threads run the CPU stages (default: one per stage device);
     ranks that share a thread take turns where one would wait for a message, in their action lists'
     order, so the values are the same for any number. 1 spends the least CPU (no thread wake-ups) and
-    suits tiny stages; large stages step faster on a thread each. ``trace`` records the start and end of every action; ``timeline`` returns the last step's.
+    suits tiny stages; large stages step faster on a thread each. ``trace`` records the start and end
+    of every action; ``timeline`` returns the last step's.
     ``check_finite``: stop at the first NaN or Inf any op writes, with a ``NonFiniteError`` naming the stage,
     the action (so the micro-batch), the op and the variable (Paddle's ``FLAGS_check_nan_inf``, set for the
     duration of each step; it is process-wide, so steps of executors that do not check wait meanwhile).

@@ -1,5 +1,6 @@
-"""The in-process channel, between threads outside lanes: messages keyed by (route, micro-batch), a receiver parked until its sender wakes
-it, abort waking every parked receiver, and the poll that finds a message nobody woke it for."""
+"""The in-process channel between threads outside lanes: messages keyed by (route, micro-batch), a
+receiver parked until its sender wakes it, abort waking every parked receiver, and the poll that finds a
+message nobody woke it for."""
 import threading
 
 import numpy as np

@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = {  # script (a case after a space) -> (small arguments, a line its last output must match)
     "train_mlp.py": (["--steps", "3", "--width", "64", "--batch", "64"],
                      r"^3 steps of 64 samples in [\d.]+ s: [\d.]+ samples/s on 2 pipeline stages; loss [\d.]+ -> [\d.]+$"),
-    "train_mlp.py one thread": (["--steps", "3", "--width", "64", "--batch", "64", "--stages", "4", "--worker-threads", "1"],
+    "train_mlp.py one thread": (["--steps", "3", "--width", "64", "--batch", "64", "--stages", "4",
+                                 "--worker-threads", "1"],
                                 r"^3 steps of 64 samples in [\d.]+ s: [\d.]+ samples/s on 4 pipeline stages; loss [\d.]+ -> [\d.]+$"),
     "train_dlrm.py": (["--steps", "3"], r"^devices \['cpu', 'gpu:0', 'gpu:1'\]; loss [\d.]+ -> [\d.]+$"),
     "train_gpt.py": (["--steps", "3"], r"^loss [\d.]+ -> [\d.]+; activation memory per stage: \{0: "),

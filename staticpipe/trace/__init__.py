@@ -61,9 +61,9 @@ class Timeline:
         (``auto_plan``). On a CPU device, the CPU seconds its rank spent from the end of the action
         before to the end of this one and its upkeep (freeing a micro-batch's scope after its last
         action), less what other ranks of its thread spent meanwhile, where the wall time also counts the
-        waits for a core shared with other stage threads and a RECV's wait for its message. On a CUDA device, a compute action's wall time (the worker waits
-        for the kernels; the thread may spin or sleep meanwhile) and, for messages and OPT (whose first
-        waits for every rank), CPU seconds."""
+        waits for a core shared with other stage threads and a RECV's wait for its message. On a CUDA
+        device, a compute action's wall time (the worker waits for the kernels; the thread may spin or
+        sleep meanwhile) and, for messages and OPT (whose first waits for every rank), CPU seconds."""
         cuda = {r for r, device in enumerate(self.plan.ranks) if isinstance(place_of(device), core.CUDAPlace)}
         return {a: end - start if rank in cuda and a.kind in COMPUTE and a.kind is not Kind.OPT else self.cpu[a]
                 for rank, a, start, end in self.events}
