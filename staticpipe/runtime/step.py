@@ -3,9 +3,9 @@
 The step splits the batch into micro-batches (after taking this replica's slice when the pipeline is
 data-parallel), hands every local rank its action list on its lane (a thread running one or more
 ranks: ``lanes.py``), and waits; the first stage to fail aborts the channel so that every other rank
-stops at its next receive, and the step raises
-that stage's error after emptying the gradient buffers the failed step may have touched. Fetched
-per-micro-batch values are merged into the global batch's value.
+stops at its next receive, and the step raises that stage's error after emptying the gradient buffers
+the failed step may have touched. Fetched per-micro-batch values are merged into the global batch's
+value.
 
 Runtime state kept here, never in the plan: the micro-batch size a plan's first batch fixes (when the
 plan did not compile one) and what each rank needs besides its actions (``RankProgram``), both worked
@@ -316,9 +316,13 @@ def _wait(futures: list[cf.Future], channel, failure: BaseException | None, outc
     the worker can never set the future's result."""
     if failure is not None:
         channel.abort(str(failure) if isinstance(failure, StageError) else "interrupted")
-    errors = [e for e in [failure] + [f.exception() for f in futures] if e is not None]
+    errors = [] if failure is None else [failure]
     for f in futures:
-        outcomes += f.result() if f.exception() is None else ()
+        exc = f.exception()
+        if exc is None:
+            outcomes += f.result()
+        else:
+            errors.append(exc)
     errors += [e for _, e in outcomes if e is not None]
     if errors:
         raise next((e for e in errors if not isinstance(e, PipelineAborted)), errors[0])
