@@ -9,9 +9,9 @@ on 4 threads than on 2 (the operating system runs whichever rank is ready; a lan
 at once) and 1.7x faster than on 1. Why fewer at all: a message between threads costs a wake-up, 29 µs
 of CPU per message on a 2-core VM (11 on one core, 4 inside a lane), which only tiny stages feel: there
 one thread runs the pipeline with the least CPU (``bench/worker_threads.py``, ``bench/overhead.py``).
-A GPU rank keeps a thread of its own. In a job started by a launcher (``placement.launched_world``) the process joins the
-``paddle.distributed`` job, starts the fault watchdog, runs only its own rank's stages, and talks to the
-other ranks through a ``DistributedChannel`` per stage layout.
+A GPU rank keeps a thread of its own. In a job started by a launcher (``placement.launched_world``)
+the process joins the ``paddle.distributed`` job, starts the fault watchdog, runs only its own rank's
+stages, and talks to the other ranks through a ``DistributedChannel`` per stage layout.
 """
 from __future__ import annotations
 
