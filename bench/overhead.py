@@ -7,9 +7,11 @@ fetches. Side by side in one run, each configuration's median step:
 - plain ``paddle.static.Executor.run`` of the unsplit program (the reference);
 - staticpipe with p=1 stage and m=1 micro-batch (same work as the reference plus our step machinery);
 - staticpipe p=2/m=8, p=4/m=16 and p=4/m=256 (1F1B; the batch grows to one row per micro-batch where
-  m exceeds it), where most of the cost is per action: on a thread per stage (the default) and on one
-  thread ("1 thread": ``worker_threads=1``, the stages take turns where one would wait: no hand-off
-  between threads at all, and no overlap either).
+  m exceeds it), where most of the cost is per action: with the default ``worker_threads="auto"``
+  (the first steps try each thread layout and keep the best: "threads" tells the one kept), on a
+  thread per stage ("per stage": ``worker_threads=None``) and on one thread ("1 thread":
+  ``worker_threads=1``, the stages take turns where one would wait: no hand-off between threads at
+  all, and no overlap either).
 
 The floor runs the very programs staticpipe's workers run (the plan's compute runs, through the same
 prepared-context executor, one micro-batch scope at a time) back to back on one thread with no
@@ -27,7 +29,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,26 +56,33 @@ def build(args, stages: int | None, microbatches: int):
     return net
 
 
-def plain(args, batch) -> tuple[Callable[[], None], int]:
+class Config(NamedTuple):
+    step: Callable[[], None]
+    actions: int  # F, B, W and OPT actions of a step (0: not a pipeline)
+    threads: Callable[[], int] = lambda: 1  # the threads its steps run on now
+
+
+def plain(args, batch) -> Config:
     net = build(args, None, 1)
     exe, scope = paddle.static.Executor(paddle.CPUPlace()), paddle.static.Scope()
     exe.run(net.startup, scope=scope)
-    return (lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss], scope=scope)), 0
+    return Config(lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss], scope=scope), 0)
 
 
 def actions_of(plan) -> int:
     return sum(1 for acts in plan.actions.values() for a in acts if a.kind in COMPUTE)
 
 
-def pipelined(args, batch, stages: int, microbatches: int, threads: int | None = None
-              ) -> tuple[Callable[[], None], int]:
+def pipelined(args, batch, stages: int, microbatches: int, threads: int | str | None = "auto"
+              ) -> Config:
     net = build(args, stages, microbatches)
     exe = staticpipe.Executor(worker_threads=threads)
     exe.run(net.startup)
-    return (lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])), actions_of(staticpipe.plan_of(net.main))
+    return Config(lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss]),
+                  actions_of(staticpipe.plan_of(net.main)), lambda: len(exe.lanes(net.main)))
 
 
-def floor(args, batch, stages: int, microbatches: int) -> tuple[Callable[[], None], int]:
+def floor(args, batch, stages: int, microbatches: int) -> Config:
     """The plan's compute runs with nothing around them: one thread, one root scope holding every stage's
     state, a child scope per micro-batch (cut variables need no message: they are already there), the
     loss fetched from the last forward."""
@@ -110,7 +119,7 @@ def floor(args, batch, stages: int, microbatches: int) -> tuple[Callable[[], Non
         for c in opt:
             exe.run_prepared_ctx(c, root, False, True, True)
         np.mean(losses)
-    return step, actions_of(plan)
+    return Config(step, actions_of(plan))
 
 
 def main() -> None:
@@ -130,15 +139,16 @@ def main() -> None:
         configs[f"floor p={p} m={m}"] = floor(args, rows, p, m)
         configs[f"staticpipe p={p} m={m}"] = pipelined(args, rows, p, m)
         if p > 1:
+            configs[f"per stage p={p} m={m}"] = pipelined(args, rows, p, m, threads=None)
             configs[f"1 thread p={p} m={m}"] = pipelined(args, rows, p, m, threads=1)
     wall: dict[str, list[float]] = {name: [] for name in configs}
     cpu: dict[str, list[float]] = {name: [] for name in configs}
-    for step, _ in configs.values():
-        for _ in range(10):  # warm-up: prepared programs, scopes, allocator
+    for step, *_ in configs.values():
+        for _ in range(12):  # warm-up: prepared programs, scopes, allocator; the "auto" trial of thread layouts
             step()
     # interleaved rounds: a slow spell of the machine hits every configuration alike
     for _ in range(args.rounds):
-        for name, (step, _) in configs.items():
+        for name, (step, *_) in configs.items():
             start, start_cpu = time.perf_counter(), time.process_time()
             step()
             wall[name].append(time.perf_counter() - start)
@@ -148,18 +158,19 @@ def main() -> None:
     plain_s = med["plain paddle Executor.run"]
     print(f"MLP {args.depth} x {args.width}, batch {args.batch}, SGD, 1F1B, {os.cpu_count()} CPU cores, "
           f"{args.rounds} interleaved rounds (wall: median, CPU: mean)")
-    print(f"{'configuration':<26} {'ms/step':>8} {'CPU ms':>7} {'over plain':>10} {'actions':>7} "
+    print(f"{'configuration':<26} {'threads':>7} {'ms/step':>8} {'CPU ms':>7} {'over plain':>10} {'actions':>7} "
           f"{'µs/action wall':>14} {'µs/action CPU':>13}")
-    for name, (_, actions) in configs.items():
+    for name, (_, actions, threads) in configs.items():
         added = cpu_added = "-"
         if not name.startswith(("plain", "floor")):
-            base = "floor " + name.split(" ", 1)[1].replace("thread ", "")
+            base = "floor " + name[name.index("p="):]
             added = f"{(med[name] - med[base]) / actions * 1e6:.1f}"
             cpu_added = f"{(med_cpu[name] - med_cpu[base]) / actions * 1e6:.1f}"
-        print(f"{name:<26} {med[name] * 1e3:8.3f} {med_cpu[name] * 1e3:7.3f} {med[name] / plain_s:9.2f}x "
+        print(f"{name:<26} {threads():>7} {med[name] * 1e3:8.3f} {med_cpu[name] * 1e3:7.3f} {med[name] / plain_s:9.2f}x "
               f"{actions or '-':>7} {added:>14} {cpu_added:>13}")
     print("targets: <= 30 µs added per action (staticpipe over its floor); staticpipe p=1 m=1 within 1.03x of plain;"
-          " '1 thread': staticpipe with worker_threads=1")
+          " 'staticpipe': the default worker_threads='auto' ('threads': the layout it kept), 'per stage': "
+          "worker_threads=None, '1 thread': worker_threads=1")
 
 
 if __name__ == "__main__":

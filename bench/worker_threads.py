@@ -1,7 +1,9 @@
-"""How many threads should run the stages? The same pipeline on 1, 2 and p worker threads, side by side.
+"""How many threads should run the stages? The same pipeline on 1, 2 and p worker threads, and with the
+default ("auto": its first steps try those and keep the best), side by side.
 
 ``Executor(worker_threads=n)`` runs the CPU stages' ranks on n threads, consecutive ranks sharing one
-and taking turns where one would wait (``runtime/lanes.py``); the default is a thread per rank. Two
+and taking turns where one would wait (``runtime/lanes.py``); None runs a thread per rank; "auto"
+(the default) measures each layout on the first steps (``runtime/thread_choice.py``). Two
 pipelines of 1F1B over p=4 stages, interleaved rounds (a slow spell of the machine hits every
 configuration alike), median step and mean CPU (all threads) per step:
 
@@ -10,7 +12,8 @@ configuration alike), median step and mean CPU (all threads) per step:
 - tiny stages (MLP 4 x 64, batch 64, m=16): each action computes for tens of microseconds, so what
   counts is what a message between threads costs.
 
-Ratios are against the default (a thread per rank); < 1.00 is faster or cheaper.
+Ratios are against a thread per rank; < 1.00 is faster or cheaper. "threads" is how many threads the
+steps ran on once warm (for "auto": the layout its trial kept).
 
     python bench/worker_threads.py [--rounds 7] [--stages 4]
 """
@@ -32,7 +35,7 @@ SHAPES = {"large": dict(width=1024, depth=8, batch=512, microbatches=8, rounds_s
           "tiny": dict(width=64, depth=4, batch=64, microbatches=16, rounds_scale=40)}
 
 
-def pipeline(stages: int, shape: dict, threads: int | None):
+def pipeline(stages: int, shape: dict, threads: int | str | None):
     net = build_mlp(num_stages=stages, in_dim=shape["width"], hidden=shape["width"], depth=shape["depth"])
     with paddle.static.program_guard(net.main, net.startup):
         staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.01), num_microbatches=shape["microbatches"]
@@ -40,7 +43,7 @@ def pipeline(stages: int, shape: dict, threads: int | None):
     exe = staticpipe.Executor(worker_threads=threads)
     exe.run(net.startup)
     batch = net.random_batch(shape["batch"])
-    return lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])
+    return (lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])), (lambda: len(exe.lanes(net.main)))
 
 
 def main() -> None:
@@ -50,12 +53,15 @@ def main() -> None:
     args = ap.parse_args()
     paddle.enable_static()
     print(f"{os.cpu_count()} CPU cores, 1F1B over p={args.stages} stages; ratios against a thread per rank")
-    print(f"{'stages':<7} {'worker_threads':<18} {'ms/step':>9} {'CPU ms':>9} {'wall ratio':>10} {'CPU ratio':>9}")
+    print(f"{'stages':<7} {'worker_threads':<18} {'threads':>7} {'ms/step':>9} {'CPU ms':>9} {'wall ratio':>10} "
+          f"{'CPU ratio':>9}")
     for name, shape in SHAPES.items():
-        choices = {f"{args.stages} (default)": None, "2": 2, "1": 1}
-        steps = {label: pipeline(args.stages, shape, n) for label, n in choices.items()}
+        choices = {"None (one per rank)": None, "auto (default)": "auto", "2": 2, "1": 1}
+        made = {label: pipeline(args.stages, shape, n) for label, n in choices.items()}
+        steps = {label: step for label, (step, _) in made.items()}
         for step in steps.values():
-            step()
+            for _ in range(12):  # warm-up, and the "auto" trial (10 steps at most for 4 stages)
+                step()
         wall = {label: [] for label in steps}
         cpu = {label: [] for label in steps}
         for _ in range(args.rounds * shape["rounds_scale"]):
@@ -68,7 +74,7 @@ def main() -> None:
         mean_cpu = {label: statistics.mean(t) for label, t in cpu.items()}
         base = next(iter(steps))
         for label in steps:
-            print(f"{name:<7} {label:<18} {med[label] * 1e3:9.2f} {mean_cpu[label] * 1e3:9.2f} "
+            print(f"{name:<7} {label:<18} {made[label][1]():>7} {med[label] * 1e3:9.2f} {mean_cpu[label] * 1e3:9.2f} "
                   f"{med[label] / med[base]:9.2f}x {mean_cpu[label] / mean_cpu[base]:8.2f}x")
 
 

@@ -6,6 +6,7 @@ gives micro-batches; ``train_from_dataset(main)`` reads the started loader) and 
 
     python examples/train_mlp.py [--stages 2] [--microbatches 8] [--schedule 1F1B] [--steps 30]
     python examples/train_mlp.py --stages 4 --width 64 --worker-threads 1   # tiny stages: one thread, least CPU
+    python examples/train_mlp.py --worker-threads per-stage   # a thread each (the default tries the layouts)
     python -m staticpipe.launch --nprocs 4 examples/train_mlp.py --dp-degree 2   # 2 replicas x 2 stages
 """
 from __future__ import annotations
@@ -35,6 +36,16 @@ def teacher_reader(num_samples: int, in_dim: int, num_classes: int = 10, seed: i
     return reader
 
 
+def threads(text: str) -> int | str | None:
+    """``--worker-threads``: "auto", "per-stage" (None: a thread per stage) or a number."""
+    if text in ("auto", "per-stage"):
+        return None if text == "per-stage" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected "auto", "per-stage" or a number of threads, got {text!r}') from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, default=2)
@@ -46,8 +57,9 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--dp-degree", type=int, default=1, help="data-parallel replicas (needs a multi-process launch)")
-    ap.add_argument("--worker-threads", type=int, default=None,
-                    help="threads that run the CPU stages (default: one per stage device)")
+    ap.add_argument("--worker-threads", type=threads, default="auto",
+                    help='threads that run the CPU stages: a number, "per-stage" (one each) or "auto" (the default: '
+                         "the first steps try a thread per stage, one per core and one, and keep the best)")
     args = ap.parse_args()
 
     net = build_mlp(num_stages=args.stages, in_dim=args.width, hidden=args.width, depth=args.depth)
@@ -71,6 +83,7 @@ def main() -> None:
                                      fetch_info=["loss", "accuracy"], print_period=5)
     elapsed = time.perf_counter() - start
     loader.reset()
+    print("threads:", " | ".join("+".join(lane) for lane in exe.lanes(net.main)))
     loss = (f"; loss {float(history[0][0]):.4f} -> {float(history[-1][0]):.4f}"
             if history[-1][0] is not None else "")  # under staticpipe.launch only the last stage's process has it
     print(f"{len(history)} steps of {args.batch} samples in {elapsed:.2f} s: "

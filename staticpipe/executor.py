@@ -39,11 +39,12 @@ class Executor:
     ``{"gpu:1": "gpu:0"}`` runs a two-GPU pipeline on one GPU (two workers there); default: the
     ``STATICPIPE_DEVICE_MAP`` environment variable ("gpu:1=gpu:0"). ``threads_per_stage`` is each CPU
     stage worker's intra-op thread budget: one number for all, or ``{device: threads}`` (devices not
-    named get 1). ``worker_threads``: how many threads run the CPU stages (default: one per stage device);
-    ranks that share a thread take turns where one would wait for a message, in their action lists'
-    order, so the values are the same for any number. 1 spends the least CPU (no thread wake-ups) and
-    suits tiny stages; large stages step faster on a thread each. ``trace`` records the start and end
-    of every action; ``timeline`` returns the last step's.
+    named get 1). ``worker_threads``: how many threads run the CPU stages. Ranks that share a thread take
+    turns where one would wait for a message, in their action lists' order, so the values are the same
+    for any number. 1 spends the least CPU (no thread wake-ups) and suits tiny stages; large stages step
+    faster on a thread each (None). "auto" (the default) tries a thread per rank, one per core and one
+    thread on each program's first steps and keeps the best (``lanes`` tells which). ``trace`` records
+    the start and end of every action; ``timeline`` returns the last step's.
     ``check_finite``: stop at the first NaN or Inf any op writes, with a ``NonFiniteError`` naming the stage,
     the action (so the micro-batch), the op and the variable (Paddle's ``FLAGS_check_nan_inf``, set for the
     duration of each step; it is process-wide, so steps of executors that do not check wait meanwhile).
@@ -56,7 +57,7 @@ class Executor:
 
     def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1, trace: bool = False,
                  device_map: dict[str, str] | None = None, check_finite: bool = False,
-                 worker_threads: int | None = None):
+                 worker_threads: int | str | None = "auto"):
         self.place = _executor_place(place)
         self._devices = Devices(threads_per_stage, device_map, worker_threads)
         self._steps = StepRunner(self._devices)
@@ -246,6 +247,12 @@ class Executor:
         return evaluate(self, program, dataset, fetch_list, num_microbatches, like)
 
     # --- what the last steps did ----------------------------------------------------------------------
+    def lanes(self, program: framework.Program) -> list[list[str]]:
+        """The stage devices that each thread runs in ``program``'s next step: with ``worker_threads="auto"``
+        a thread each until the first steps have tried the layouts, then the one chosen."""
+        with self._open():
+            return self._steps.lanes(require_plan(program, "lanes"))
+
     def timeline(self, program: framework.Program) -> Timeline:
         """The last traced step of ``program``: busy time, bubble, Chrome trace and Gantt chart export."""
         return Timeline.from_records(require_plan(program, "timeline"), self._steps.records)

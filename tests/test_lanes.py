@@ -139,15 +139,15 @@ def test_a_sleeping_lane_is_woken_by_a_sender_on_another_thread(monkeypatch):
     (None, [[0], [1], [2], [3], [4]]),
 ])
 def test_cpu_ranks_share_threads_in_consecutive_groups(threads, expected):
-    devices = Devices(worker_threads=threads)
-    assert devices.lanes_of([f"gpu:{k}" for k in range(5)]) == expected
+    assert Devices().lanes_of([f"gpu:{k}" for k in range(5)], threads) == expected
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
-def test_worker_threads_must_be_a_positive_integer(bad):
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", "Auto"])
+def test_worker_threads_must_be_auto_none_or_a_positive_integer(bad):
     with pytest.raises(ValueError) as err:
         staticpipe.Executor(worker_threads=bad)
-    assert str(err.value) == f"worker_threads must be None (one per rank) or an integer >= 1, got {bad!r}"
+    assert str(err.value) == ('worker_threads must be "auto" (tried on the first steps), None (one per rank) or '
+                              f"an integer >= 1, got {bad!r}")
 
 
 def test_any_number_of_worker_threads_trains_the_same_to_the_bit(monkeypatch, program_ir):

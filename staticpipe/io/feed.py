@@ -4,7 +4,7 @@ from __future__ import annotations
 import numbers
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .._paddle import np
 from ..ir import np_dtype
@@ -140,6 +140,23 @@ def to_batch(specs: Sequence[FeedSpec], item: tuple[str, Any]) -> Batch:
         rows = [fields(names, sample, "sample") for sample in payload]
         return {spec.name: spec.from_samples([row[i] for row in rows]) for i, spec in enumerate(specs)}
     return {spec.name: spec.convert(value) for spec, value in zip(specs, fields(names, payload, "batch"))}
+
+
+def checked_batch(specs: Mapping[str, tuple[tuple[int, ...], str]], batch: Any, what: str) -> Batch:
+    """``batch`` with exactly the data variables of ``specs`` (name -> (shape, dtype)), each converted and
+    checked against its spec; ``what`` names the batch in errors ("feed", "micro-batch 3")."""
+    if not isinstance(batch, dict):
+        raise ValueError(f"{what} must be a dict {{data variable name: array}}, got {type(batch).__name__}")
+    missing = [n for n in specs if n not in batch]
+    extra = [n for n in batch if n not in specs]
+    if missing or extra:
+        raise ValueError(f"{what} does not match the program's data variables: missing {missing}, "
+                         f"unknown {extra}; expected {sorted(specs)}")
+    return {n: FeedSpec(n, specs[n][0], np.dtype(specs[n][1])).convert(v) for n, v in batch.items()}
+
+
+def batch_rows(batch: Batch) -> int:
+    return len(next(iter(batch.values())))
 
 
 def split_microbatches(batch: Batch, num_microbatches: int) -> list[Batch]:

@@ -2,13 +2,12 @@
 them, and the channels between them.
 
 Why threads: Paddle's executor releases the GIL while it runs ops, so stage workers on threads of
-their own overlap the way stages on their own GPUs do. By default each rank has a thread; with
-``worker_threads`` CPU ranks share fewer (``lanes.py``: a rank gives way to its lane's others where it
-would wait). Why not fewer by default: on 2 cores a 4-stage pipeline of large layers steps 9 % faster
-on 4 threads than on 2 (the operating system runs whichever rank is ready; a lane's ranks may all wait
-at once) and 1.7x faster than on 1. Why fewer at all: a message between threads costs a wake-up, 29 µs
-of CPU per message on a 2-core VM (11 on one core, 4 inside a lane), which only tiny stages feel: there
-one thread runs the pipeline with the least CPU (``bench/worker_threads.py``, ``bench/overhead.py``).
+their own overlap the way stages on their own GPUs do. CPU ranks may share fewer threads (``lanes.py``:
+a rank gives way to its lane's others where it would wait): a message between threads costs a wake-up,
+29 µs of CPU per message on a 2-core VM (11 on one core, 4 inside a lane), which tiny stages feel,
+while large stages step fastest on a thread each (on 2 cores a 4-stage pipeline of large layers steps
+1.75x slower on one thread). How many: ``worker_threads``, by default chosen per plan by trying each
+layout on its first steps (``thread_choice.py``; ``bench/worker_threads.py``, ``bench/overhead.py``).
 A GPU rank keeps a thread of its own. In a job started by a launcher (``placement.launched_world``)
 the process joins the ``paddle.distributed`` job, starts the fault watchdog, runs only its own rank's
 stages, and talks to the other ranks through a ``DistributedChannel`` per stage layout.
@@ -36,22 +35,24 @@ class Devices:
     """Workers of this process, created on first use; ``threads_per_stage``: each CPU worker's intra-op
     thread budget, one number or ``{device: threads}`` (devices not named get 1); ``mapping``: the
     device that runs each pipeline device it names (``placement.device_map``); ``worker_threads``: how
-    many threads run the CPU ranks (default: one per rank)."""
+    many threads run the CPU ranks: a number, None (one per rank) or "auto" (the default: the step runner
+    tries the layouts, ``thread_choice.py``)."""
 
     def __init__(self, threads_per_stage: int | dict[str, int] = 1, mapping: dict[str, str] | None = None,
-                 worker_threads: int | None = None):
+                 worker_threads: int | str | None = "auto"):
         budgets = threads_per_stage.values() if isinstance(threads_per_stage, dict) else [threads_per_stage]
         if not all(_count(n) for n in budgets):
             raise ValueError("threads_per_stage must be an integer >= 1 or a dict device -> integer >= 1, "
                              f"got {threads_per_stage!r}")
-        if worker_threads is not None and not _count(worker_threads):
-            raise ValueError(f"worker_threads must be None (one per rank) or an integer >= 1, got {worker_threads!r}")
+        if worker_threads is not None and worker_threads != "auto" and not _count(worker_threads):
+            raise ValueError('worker_threads must be "auto" (tried on the first steps), None (one per rank) or '
+                             f"an integer >= 1, got {worker_threads!r}")
         self.threads_per_stage = threads_per_stage
         self.worker_threads = worker_threads
         self.device_map = device_map(mapping)
         self.workers: dict[str, DeviceWorker] = {}
         self._threads: dict[str, StageThread] = {}
-        self._lanes: dict[tuple[str, ...], list[list[int]]] = {}  # see lanes_of
+        self._lanes: dict[tuple, list[list[int]]] = {}  # see lanes_of
         self._in_process: Channel = InProcessChannel()
         self._channels: dict[tuple, Channel] = {}
         self.world = launched_world()  # (rank, size) when started by a multi-process launcher
@@ -71,21 +72,25 @@ class Devices:
             w = self.workers[device] = DeviceWorker(device, place, core.Scope(), generic_place(place))
         return w
 
-    def lanes_of(self, devices: list[str]) -> list[list[int]]:
-        """Which ranks (positions in ``devices``, one device per rank, in rank order) each thread runs: CPU
-        ranks in ``worker_threads`` groups of consecutive ranks (a message inside a group costs no wake-up,
-        and pipeline neighbours share a group), else each alone; a GPU rank, and every rank of a launched
-        job (whose channel blocks its thread), alone. Worked out once per list of devices."""
-        key = tuple(devices)
+    def lanes_of(self, devices: list[str], threads: int | None) -> list[list[int]]:
+        """Which ranks (positions in ``devices``, one device per rank, in rank order) each thread runs: the
+        shareable ranks (``shareable``) in ``threads`` groups of consecutive ranks (a message inside a group
+        costs no wake-up, and pipeline neighbours share a group), or each alone for None; every other rank
+        alone. Worked out once per list of devices and number."""
+        key = (tuple(devices), threads)
         if key not in self._lanes:
-            self._lanes[key] = self._grouped(devices)
+            cpu = self.shareable(devices)
+            n = min(len(cpu), threads or len(cpu))
+            groups = [cpu[k * len(cpu) // n:(k + 1) * len(cpu) // n] for k in range(n)]
+            self._lanes[key] = sorted(groups + [[i] for i in range(len(devices)) if i not in cpu])
         return self._lanes[key]
 
-    def _grouped(self, devices: list[str]) -> list[list[int]]:
-        cpu = [i for i, d in enumerate(devices) if self.world is None and isinstance(self.place_of(d), core.CPUPlace)]
-        n = min(len(cpu), self.worker_threads or len(cpu))
-        groups = [cpu[k * len(cpu) // n:(k + 1) * len(cpu) // n] for k in range(n)]
-        return sorted(groups + [[i] for i in range(len(devices)) if i not in cpu])
+    def shareable(self, devices: list[str]) -> list[int]:
+        """The ranks (positions in ``devices``) that may share a thread: the CPU ones. A GPU rank keeps a
+        thread of its own, and so does every rank of a launched job (its channel blocks its thread)."""
+        if self.world is not None:
+            return []
+        return [i for i, d in enumerate(devices) if isinstance(self.place_of(d), core.CPUPlace)]
 
     def run_lane(self, devices: list[str], jobs: list[Any], channel: Channel) -> list[lanes.Outcome]:
         """Run each device's worker's step on its job, all on the calling thread (a ``Lane``), each rank

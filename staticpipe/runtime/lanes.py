@@ -7,7 +7,7 @@ in-process channel costs 29 µs of CPU between threads on two cores of a 2-core 
 on one core, and 4 µs between ranks of one lane (a greenlet switch); the lane's thread sleeps only when
 none of its ranks can go on. Tiny stages feel it: on one thread a 4-stage pipeline of them takes 40 %
 less CPU and no more time (``bench/worker_threads.py``). Large stages do not, and step fastest on a
-thread each, which stays the default (``devices.py``).
+thread each: the executor's first steps try both (``thread_choice.py``).
 
 Why greenlets, not generators: a rank waits deep inside its step (a receive in the middle of its action
 list, an all-reduce inside its optimize phase); a greenlet pauses right there, where a generator would

@@ -8,16 +8,18 @@ the failed step may have touched. Fetched per-micro-batch values are merged into
 value.
 
 Runtime state kept here, never in the plan: the micro-batch size a plan's first batch fixes (when the
-plan did not compile one) and what each rank needs besides its actions (``RankProgram``), both worked
-out once per plan.
+plan did not compile one), what each rank needs besides its actions (``RankProgram``), both worked
+out once per plan, and how many threads run its CPU ranks (``thread_choice.py``: tried on its first
+steps when the executor is not told).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from typing import Any
 
 from .._paddle import core, np
-from ..io import FeedSpec, split_microbatches
+from ..io import batch_rows, checked_batch, split_microbatches
 from ..ir import as_fetched, as_float, declared_var
 from ..placement import generic_place
 from ..plan import FORWARD, FORWARD_ONLY, OPTIMIZE, PER_MICROBATCH, Plan
@@ -26,6 +28,7 @@ from . import state
 from .errors import NonFiniteError, PipelineAborted, StageError
 from .nan_inf import NAN_INF_GATE, scales_loss
 from .jobs import RankProgram, StepJob, StepResult
+from .thread_choice import ThreadChoice, cores
 
 
 class StepRunner:
@@ -42,6 +45,7 @@ class StepRunner:
         self._scaled: dict[Plan, bool] = {}  # plan -> whether it scales its loss (``scales_loss``)
         self._local: dict[Plan, list] = {}  # plan -> the stages this process runs
         self._prepared: set[tuple] = set()  # (plan, fetch lists) whose runs are prepared
+        self._choices: dict[Plan, ThreadChoice] = {}  # plan -> its trial of thread layouts (worker_threads="auto")
 
     def micro_batch_size(self, plan: Plan) -> int | None:
         """The plan's compiled micro-batch size, or the one its first step fixed (None before)."""
@@ -51,7 +55,7 @@ class StepRunner:
         """One step of ``plan`` on the global batch ``batch``, split into the plan's micro-batches; the
         values of ``fetch`` (None for a value another process computes), merged over the micro-batches or,
         ``merged=False``, each a list of its per-micro-batch values."""
-        batch = _checked(plan, batch, "feed")
+        batch = checked_batch(plan.data_specs, batch, "feed")
         if plan.dp_degree > 1:
             batch = self._replica_slice(plan, batch, "global batch")
         return self._step(plan, split_microbatches(batch, plan.num_microbatches), fetch, merged)
@@ -63,8 +67,8 @@ class StepRunner:
         if len(microbatches) != plan.num_microbatches:
             raise ValueError(f"a step takes num_microbatches={plan.num_microbatches} micro-batches, got "
                              f"{len(microbatches)}")
-        micro = [_checked(plan, mb, f"micro-batch {k}") for k, mb in enumerate(microbatches)]
-        sizes = [_rows(mb) for mb in micro]
+        micro = [checked_batch(plan.data_specs, mb, f"micro-batch {k}") for k, mb in enumerate(microbatches)]
+        sizes = [batch_rows(mb) for mb in micro]
         if len(set(sizes)) > 1:
             raise ValueError(f"the micro-batches of a step must have one size; got sizes {sizes}")
         if plan.dp_degree > 1:
@@ -72,7 +76,7 @@ class StepRunner:
         return self._step(plan, micro, fetch, merged)
 
     def _step(self, plan: Plan, micro: list[dict[str, np.ndarray]], fetch: list[str], merged: bool = True) -> list:
-        size = _rows(micro[0])
+        size = batch_rows(micro[0])
         if size == 0:
             raise ValueError(f"empty micro-batches: the batch has no samples (feed variables {sorted(micro[0])})")
         # an evaluation (forward-only) plan takes any size: a last, smaller batch is evaluated too
@@ -160,14 +164,37 @@ class StepRunner:
                                            micro_batch_size, shapes, record, scaled))
                 for rank, program in programs.items()]
         with NAN_INF_GATE.held(self.check_finite and not scaled):  # process-wide: no step of another setting meanwhile
-            return self._run_jobs(jobs, channel, local)
+            return self._run_jobs(plan, jobs, channel, local)
 
-    def _run_jobs(self, jobs: list, channel: Any, local: list) -> dict[str, list]:
+    def lanes(self, plan: Plan) -> list[list[str]]:
+        """The devices that each thread runs in ``plan``'s next step (of this process's ranks)."""
+        devices = [plan.ranks[rank] for rank in sorted({s.rank for s in self.devices.local_stages(plan)})]
+        threads, _ = self._threads(plan, devices)
+        return [[devices[i] for i in lane] for lane in self.devices.lanes_of(devices, threads)]
+
+    def _threads(self, plan: Plan, devices: list[str]) -> tuple[int | None, ThreadChoice | None]:
+        """How many threads run the plan's CPU ranks in its next step, and the trial still choosing it."""
+        setting = self.devices.worker_threads
+        if setting != "auto":
+            return setting, None
+        choice = self._choices.get(plan)
+        if choice is None:
+            choice = self._choices[plan] = ThreadChoice(len(self.devices.shareable(devices)), cores(), ", ".join(devices))
+        return choice.threads(), None if choice.chosen is not None else choice
+
+    def _run_jobs(self, plan: Plan, jobs: list, channel: Any, local: list) -> dict[str, list]:
         """Run the ranks' jobs on their lanes (``Devices.lanes_of``). In one process the first lane runs
         here, on the calling thread: a hand-off to a worker thread and back costs two thread wake-ups
-        (58 µs measured)."""
+        (58 µs measured). While the plan's thread layouts are on trial, a step that runs to its end
+        reports its wall and CPU time (not a traced or checked one: the extra work would blur them)."""
+        devices = [device for device, _ in jobs]
+        threads, trial = self._threads(plan, devices)
+        if trial is not None and not (self.trace or self.check_finite):
+            start, start_cpu = time.perf_counter(), time.process_time()
+        else:
+            trial = None
         lanes = [([jobs[i][0] for i in lane], [jobs[i][1] for i in lane])
-                 for lane in self.devices.lanes_of([device for device, _ in jobs])]
+                 for lane in self.devices.lanes_of(devices, threads)]
         here = lanes.pop(0) if self.devices.world is None else None
         futures: list[cf.Future] = []
         try:  # from the first hand-off on: an interrupt anywhere must stop the jobs handed out (_settle)
@@ -182,6 +209,8 @@ class StepRunner:
                     failure = exc
             results = _wait(futures, channel, failure, outcomes)
             channel.flush()  # a step's messages are all received within the step
+            if trial is not None:
+                trial.measured(threads, time.perf_counter() - start, time.process_time() - start_cpu)
         except BaseException as exc:
             _settle(futures, channel)  # no job of this step runs on, nor touches the stages, after it
             if self.devices.watchdog is not None:  # the other processes stop instead of waiting for this one
@@ -204,7 +233,7 @@ class StepRunner:
         ``replica_batches="own"`` (Paddle's fleet) ``batch`` is this replica's own, as fed."""
         if plan.replica_batches == "own":
             return batch
-        size = _rows(batch)
+        size = batch_rows(batch)
         if size % plan.dp_degree:
             raise ValueError(f"{what} size {size} is not divisible by dp_degree={plan.dp_degree} (each {what} is "
                              f"split among the replicas; feed a multiple of {plan.dp_degree}, or build with "
@@ -254,18 +283,6 @@ class StepRunner:
         return self._batched[key]
 
 
-def _checked(plan: Plan, batch: dict[str, Any], what: str) -> dict[str, np.ndarray]:
-    """``batch`` with exactly the plan's data variables, each checked against its shape and dtype."""
-    if not isinstance(batch, dict):
-        raise ValueError(f"{what} must be a dict {{data variable name: array}}, got {type(batch).__name__}")
-    missing = [n for n in plan.data_vars if n not in batch]
-    extra = [n for n in batch if n not in plan.data_vars]
-    if missing or extra:
-        raise ValueError(f"{what} does not match the program's data variables: missing {missing}, "
-                         f"unknown {extra}; expected {sorted(plan.data_vars)}")
-    return {n: FeedSpec(n, plan.data_specs[n][0], np.dtype(plan.data_specs[n][1])).convert(v) for n, v in batch.items()}
-
-
 def _size_mismatch(plan: Plan, size: int, expected: int, compiled: bool) -> str:
     """Why a step's micro-batches of ``size`` rows do not fit a plan that runs ``expected`` (compiled by
     ``micro_batch_size``, or fixed by the first step), and what would fit."""
@@ -278,10 +295,6 @@ def _size_mismatch(plan: Plan, size: int, expected: int, compiled: bool) -> str:
             f"micro-batches (loader batches) of {fits} samples, or global batches of {fits * plan.num_microbatches} "
             f"(num_microbatches={plan.num_microbatches}" + (f", dp_degree={plan.dp_degree})" if split else ")")
             + (f", or build the plan with micro_batch_size={size}" if compiled else ""))
-
-
-def _rows(batch: dict[str, np.ndarray]) -> int:
-    return len(next(iter(batch.values())))
 
 
 def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
