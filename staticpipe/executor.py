@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 from ._paddle import core, framework, np, paddle
 from .ir import free_scope, is_pir_program, var_names
 from .pir_ir import test_mode_forward
-from .placement import clone_with_split_points, default_device, launched_world, parse_device, place_of, process_gpu
+from .placement import clone_with_split_points, executor_place
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
 from .runtime import state
@@ -43,8 +43,9 @@ class Executor:
     turns where one would wait for a message, in their action lists' order, so the values are the same
     for any number. 1 spends the least CPU (no thread wake-ups) and suits tiny stages; large stages step
     faster on a thread each (None). "auto" (the default) tries a thread per rank, one per core and one
-    thread on each program's first steps and keeps the best (``lanes`` tells which). ``trace`` records
-    the start and end of every action; ``timeline`` returns the last step's.
+    thread on each program's first steps (traced or checked ones do not count) and keeps the best
+    (``lanes`` tells which). ``trace`` records the start and end of every action; ``timeline`` returns
+    the last step's.
     ``check_finite``: stop at the first NaN or Inf any op writes, with a ``NonFiniteError`` naming the stage,
     the action (so the micro-batch), the op and the variable (Paddle's ``FLAGS_check_nan_inf``, set for the
     duration of each step; it is process-wide, so steps of executors that do not check wait meanwhile).
@@ -58,7 +59,7 @@ class Executor:
     def __init__(self, place: Any = None, threads_per_stage: int | dict[str, int] = 1, trace: bool = False,
                  device_map: dict[str, str] | None = None, check_finite: bool = False,
                  worker_threads: int | str | None = "auto"):
-        self.place = _executor_place(place)
+        self.place = executor_place(place)
         self._devices = Devices(threads_per_stage, device_map, worker_threads)
         self._steps = StepRunner(self._devices)
         self._steps.check_finite = bool(check_finite)
@@ -333,18 +334,6 @@ class Executor:
             self._plain = None  # its cached interpreters point into the plain scope: they go first
             free_scope(self._plain_scope)
             self._plain_scope = None
-
-
-def _executor_place(place: Any) -> core.Place:
-    """The place of unsplit programs from what ``paddle.static.Executor`` accepts."""
-    if place is None:
-        return place_of(default_device(launched_world(), process_gpu()), launched=launched_world() is not None)
-    if isinstance(place, str):
-        return place_of(str(parse_device(place)))
-    if isinstance(place, (core.Place, core.CPUPlace, core.CUDAPlace, core.CUDAPinnedPlace)):
-        return place
-    raise ValueError(f"place must be a Paddle place (paddle.CPUPlace(), paddle.CUDAPlace(k)), a device string "
-                     f"('cpu', 'gpu', 'gpu:k') or None, got {type(place).__name__}: {place!r}")
 
 
 def _one_feed(feed: dict | list | tuple | None) -> dict:

@@ -216,6 +216,19 @@ def place_of(device: str, launched: bool = False) -> core.Place:
     return core.CUDAPlace(dev.index)
 
 
+def executor_place(place: object) -> core.Place:
+    """The place of a ``staticpipe.Executor``'s unsplit programs, from what ``paddle.static.Executor``
+    accepts: a Paddle place, a device string or None (the process's default device)."""
+    if place is None:
+        return place_of(default_device(launched_world(), process_gpu()), launched=launched_world() is not None)
+    if isinstance(place, str):
+        return place_of(str(parse_device(place)))
+    if isinstance(place, (core.Place, core.CPUPlace, core.CUDAPlace, core.CUDAPinnedPlace)):
+        return place
+    raise ValueError(f"place must be a Paddle place (paddle.CPUPlace(), paddle.CUDAPlace(k)), a device string "
+                     f"('cpu', 'gpu', 'gpu:k') or None, got {type(place).__name__}: {place!r}")
+
+
 DEVICE_MAP_ENV = "STATICPIPE_DEVICE_MAP"  # "gpu:1=gpu:0,gpu:3=gpu:1": run these pipeline devices elsewhere
 
 

@@ -22,10 +22,10 @@ pytestmark = pytest.mark.timeout(120)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def pipelined_mlp(stages=2, microbatches=4, **kw):
+def pipelined_mlp(stages=2, microbatches=4, worker_threads="auto", **kw):
     net = build_mlp(num_stages=stages, **kw)
     minimize(net, paddle.optimizer.Momentum(0.1, momentum=0.9), dict(num_microbatches=microbatches))
-    exe = staticpipe.Executor()
+    exe = staticpipe.Executor(worker_threads=worker_threads)
     exe.run(net.startup)
     return net, exe
 
@@ -258,7 +258,7 @@ def test_an_interrupt_anywhere_in_a_step_stops_every_job_it_handed_out(monkeypat
     next step's messages, and kept ``close()`` and interpreter exit waiting); the next step trains and
     ``close()`` ends every stage thread."""
     others = set(stage_threads())  # of executors of earlier tests, not closed
-    net, exe = pipelined_mlp()
+    net, exe = pipelined_mlp(worker_threads=None)  # every step hands a job to a stage thread
     batch = net.random_batch(16)
     if where == "starting a stage thread":  # the first step starts the thread
         start = threading.Thread.start

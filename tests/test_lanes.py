@@ -10,6 +10,7 @@ import paddle
 import pytest
 
 import staticpipe
+from staticpipe._paddle import core
 from staticpipe.runtime import lanes
 from staticpipe.runtime.channel import InProcessChannel
 from staticpipe.runtime.devices import Devices
@@ -142,7 +143,18 @@ def test_cpu_ranks_share_threads_in_consecutive_groups(threads, expected):
     assert Devices().lanes_of([f"gpu:{k}" for k in range(5)], threads) == expected
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", "Auto"])
+def test_gpu_ranks_and_every_rank_of_a_launched_job_keep_a_thread_each(monkeypatch):
+    devices = Devices()
+    # (a stand-in for CUDAPlace, which aborts the process on a CPU build of Paddle)
+    monkeypatch.setattr(devices, "place_of", lambda d: "a GPU place" if d == "gpu:1" else core.CPUPlace())
+    names = ["gpu:0", "gpu:1", "gpu:2"]
+    assert devices.shareable(names) == [0, 2] and devices.lanes_of(names, 1) == [[0, 2], [1]]
+    launched = Devices()
+    launched.world = (0, 2)  # as in a job started by staticpipe.launch
+    assert launched.shareable(names) == [] and launched.lanes_of(names, 1) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", "Auto", np.array([2, 3])])
 def test_worker_threads_must_be_auto_none_or_a_positive_integer(bad):
     with pytest.raises(ValueError) as err:
         staticpipe.Executor(worker_threads=bad)

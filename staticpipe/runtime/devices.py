@@ -6,7 +6,7 @@ their own overlap the way stages on their own GPUs do. CPU ranks may share fewer
 a rank gives way to its lane's others where it would wait): a message between threads costs a wake-up,
 29 µs of CPU per message on a 2-core VM (11 on one core, 4 inside a lane), which tiny stages feel,
 while large stages step fastest on a thread each (on 2 cores a 4-stage pipeline of large layers steps
-1.75x slower on one thread). How many: ``worker_threads``, by default chosen per plan by trying each
+1.7x slower on one thread). How many: ``worker_threads``, by default chosen per plan by trying each
 layout on its first steps (``thread_choice.py``; ``bench/worker_threads.py``, ``bench/overhead.py``).
 A GPU rank keeps a thread of its own. In a job started by a launcher (``placement.launched_world``)
 the process joins the ``paddle.distributed`` job, starts the fault watchdog, runs only its own rank's
@@ -44,7 +44,8 @@ class Devices:
         if not all(_count(n) for n in budgets):
             raise ValueError("threads_per_stage must be an integer >= 1 or a dict device -> integer >= 1, "
                              f"got {threads_per_stage!r}")
-        if worker_threads is not None and worker_threads != "auto" and not _count(worker_threads):
+        if not (worker_threads is None or isinstance(worker_threads, str) and worker_threads == "auto"
+                or _count(worker_threads)):
             raise ValueError('worker_threads must be "auto" (tried on the first steps), None (one per rank) or '
                              f"an integer >= 1, got {worker_threads!r}")
         self.threads_per_stage = threads_per_stage
@@ -117,6 +118,14 @@ class Devices:
         if thread is None:
             thread = self._threads[name] = StageThread(f"staticpipe-{name}")
         thread.submit(future, fn, args)
+
+    def retire_threads(self, lanes: list[list[str]]) -> None:
+        """Stop the worker threads that run none of ``lanes`` (each a list of devices): those of thread layouts
+        a trial passed over, idle for good (with ``threads_per_stage`` > 1 each holds an OpenMP team). A
+        later step that needs one starts it again."""
+        kept = {"+".join(lane) for lane in lanes}
+        for name in [n for n in self._threads if n not in kept]:
+            self._threads.pop(name).stop()
 
     def _budget(self, device: str) -> int:
         budget = self.threads_per_stage

@@ -164,37 +164,37 @@ class StepRunner:
                                            micro_batch_size, shapes, record, scaled))
                 for rank, program in programs.items()]
         with NAN_INF_GATE.held(self.check_finite and not scaled):  # process-wide: no step of another setting meanwhile
-            return self._run_jobs(plan, jobs, channel, local)
+            return self._run_jobs(plan, jobs, channel, local, tuple(shapes))
 
     def lanes(self, plan: Plan) -> list[list[str]]:
         """The devices that each thread runs in ``plan``'s next step (of this process's ranks)."""
         devices = [plan.ranks[rank] for rank in sorted({s.rank for s in self.devices.local_stages(plan)})]
-        threads, _ = self._threads(plan, devices)
-        return [[devices[i] for i in lane] for lane in self.devices.lanes_of(devices, threads)]
+        return [[devices[i] for i in lane] for lane in self.devices.lanes_of(devices, self._threads(plan, devices)[0])]
 
-    def _threads(self, plan: Plan, devices: list[str]) -> tuple[int | None, ThreadChoice | None]:
-        """How many threads run the plan's CPU ranks in its next step, and the trial still choosing it."""
+    def _threads(self, plan: Plan, devices: list[str], shapes: tuple | None = None
+                 ) -> tuple[int | None, ThreadChoice | None]:
+        """How many threads run the plan's CPU ranks in its next step (of micro-batch ``shapes``; None: any
+        the trial takes), and the trial the step counts in (``thread_choice.py``), if any."""
         setting = self.devices.worker_threads
         if setting != "auto":
             return setting, None
         choice = self._choices.get(plan)
         if choice is None:
             choice = self._choices[plan] = ThreadChoice(len(self.devices.shareable(devices)), cores(), ", ".join(devices))
-        return choice.threads(), None if choice.chosen is not None else choice
+        counts = not (self.trace or self.check_finite) and choice.counts(choice.shapes if shapes is None else shapes)
+        return choice.threads(counts), choice if counts else None
 
-    def _run_jobs(self, plan: Plan, jobs: list, channel: Any, local: list) -> dict[str, list]:
+    def _run_jobs(self, plan: Plan, jobs: list, channel: Any, local: list, shapes: tuple) -> dict[str, list]:
         """Run the ranks' jobs on their lanes (``Devices.lanes_of``). In one process the first lane runs
         here, on the calling thread: a hand-off to a worker thread and back costs two thread wake-ups
-        (58 µs measured). While the plan's thread layouts are on trial, a step that runs to its end
-        reports its wall and CPU time (not a traced or checked one: the extra work would blur them)."""
-        devices = [device for device, _ in jobs]
-        threads, trial = self._threads(plan, devices)
-        if trial is not None and not (self.trace or self.check_finite):
+        (58 µs measured). A step that counts in the plan's trial of thread layouts reports its wall and
+        CPU time once it has run to its end."""
+        rank_devices = [device for device, _ in jobs]
+        threads, trial = self._threads(plan, rank_devices, shapes)
+        if trial is not None:
             start, start_cpu = time.perf_counter(), time.process_time()
-        else:
-            trial = None
         lanes = [([jobs[i][0] for i in lane], [jobs[i][1] for i in lane])
-                 for lane in self.devices.lanes_of(devices, threads)]
+                 for lane in self.devices.lanes_of(rank_devices, threads)]
         here = lanes.pop(0) if self.devices.world is None else None
         futures: list[cf.Future] = []
         try:  # from the first hand-off on: an interrupt anywhere must stop the jobs handed out (_settle)
@@ -210,7 +210,7 @@ class StepRunner:
             results = _wait(futures, channel, failure, outcomes)
             channel.flush()  # a step's messages are all received within the step
             if trial is not None:
-                trial.measured(threads, time.perf_counter() - start, time.process_time() - start_cpu)
+                took = time.perf_counter() - start, time.process_time() - start_cpu
         except BaseException as exc:
             _settle(futures, channel)  # no job of this step runs on, nor touches the stages, after it
             if self.devices.watchdog is not None:  # the other processes stop instead of waiting for this one
@@ -223,6 +223,10 @@ class StepRunner:
             if non_finite is not None:
                 raise non_finite from exc
             raise
+        if trial is not None:  # (after the step's own error handling: a step that ran to its end counts)
+            trial.measured(threads, shapes, *took)
+            if trial.chosen is not None:
+                self.devices.retire_threads(self.lanes(plan))
         fetched: dict[str, list] = {}
         for r in results:
             fetched.update(r.fetched)
