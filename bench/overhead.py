@@ -144,7 +144,7 @@ def main() -> None:
     wall: dict[str, list[float]] = {name: [] for name in configs}
     cpu: dict[str, list[float]] = {name: [] for name in configs}
     for step, *_ in configs.values():
-        for _ in range(12):  # warm-up: prepared programs, scopes, allocator; the "auto" trial of thread layouts
+        for _ in range(14):  # warm-up: prepared programs, scopes, allocator; the "auto" trial (12 steps at most)
             step()
     # interleaved rounds: a slow spell of the machine hits every configuration alike
     for _ in range(args.rounds):

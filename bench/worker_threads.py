@@ -60,7 +60,7 @@ def main() -> None:
         made = {label: pipeline(args.stages, shape, n) for label, n in choices.items()}
         steps = {label: step for label, (step, _) in made.items()}
         for step in steps.values():
-            for _ in range(12):  # warm-up, and the "auto" trial (10 steps at most for 4 stages)
+            for _ in range(14):  # warm-up, and the "auto" trial (at most 4 rounds of 3 layouts: 12 steps)
                 step()
         wall = {label: [] for label in steps}
         cpu = {label: [] for label in steps}

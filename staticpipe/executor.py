@@ -250,7 +250,7 @@ class Executor:
     # --- what the last steps did ----------------------------------------------------------------------
     def lanes(self, program: framework.Program) -> list[list[str]]:
         """The stage devices that each thread runs in ``program``'s next step: with ``worker_threads="auto"``
-        a thread each until the first steps have tried the layouts, then the one chosen."""
+        the layout the trial tries next while it runs (``runtime/thread_choice.py``), then the one chosen."""
         with self._open():
             return self._steps.lanes(require_plan(program, "lanes"))
 

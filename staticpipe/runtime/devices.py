@@ -119,11 +119,11 @@ class Devices:
             thread = self._threads[name] = StageThread(f"staticpipe-{name}")
         thread.submit(future, fn, args)
 
-    def retire_threads(self, lanes: list[list[str]]) -> None:
-        """Stop the worker threads that run none of ``lanes`` (each a list of devices): those of thread layouts
-        a trial passed over, idle for good (with ``threads_per_stage`` > 1 each holds an OpenMP team). A
-        later step that needs one starts it again."""
-        kept = {"+".join(lane) for lane in lanes}
+    def retire_threads(self, layout: list[list[str]]) -> None:
+        """Stop the worker threads that run no lane of ``layout`` (each lane a list of devices): those of
+        thread layouts a trial passed over, idle for good (with ``threads_per_stage`` > 1 each holds an
+        OpenMP team). A later step that needs one starts it again."""
+        kept = {"+".join(lane) for lane in layout}
         for name in [n for n in self._threads if n not in kept]:
             self._threads.pop(name).stop()
 
