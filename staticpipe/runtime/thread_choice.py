@@ -17,7 +17,8 @@ included), a 10 % change in either counting the same. A tie keeps more threads.
 
 Only comparable steps count: those of the trial's first step's micro-batch shapes (an evaluation's
 last, smaller batch does far less work), neither traced nor checked for NaN (extra work per action).
-A step that does not count, or fails, runs on the best layout so far and leaves the trial where it was.
+A step that does not count runs on the best layout so far; one that does not count or that fails leaves
+the trial where it was.
 """
 from __future__ import annotations
 
