@@ -120,8 +120,9 @@ def parse_bytes(value: object, what: str) -> int | float:
     """A memory cap in bytes: a positive finite number, or a size such as "8GB", "512 MiB" (KB/MB/GB: 10^3
     steps, KiB/MiB/GiB: 2^10). ``ValueError`` naming ``what`` for anything else: NaN is no cap (every
     comparison with it is false), a string is not a list of caps, a bool is no size."""
+    given = value
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         unit = m.group(2).upper() if m else None
         if m is None or unit not in _UNITS:
             raise ValueError(f"{what}={value!r} is not a size: give bytes (a number) or a size such as '8GB' or "
@@ -132,6 +133,6 @@ def parse_bytes(value: object, what: str) -> int | float:
         raise ValueError(f"{what} must be bytes (a number) or a size such as '8GB', got {type(value).__name__}: "
                          f"{value!r}")
     if not value > 0 or value == float("inf"):
-        raise ValueError(f"{what}={value!r}: a memory cap must be a positive, finite number of bytes "
-                         "(None for no cap)")
+        raise ValueError(f"{what}={given!r}{' is negative' if value < 0 else ''}: a memory cap must be a positive, "
+                         "finite number of bytes (None for no cap)")
     return value  # as given: an int stays an int (reports print whole bytes)

@@ -334,6 +334,10 @@ CASES = [
          exactly("not a schedule line: 'stage 1: 1F0' (expected 'rank <n>: <actions>')")),
     Case("custom-text-rank-twice", lambda tmp: opt(1, "rank 0: 0F0 0B0 0OPT\nrank 0: 0OPT"), ValueError,
          exactly("rank 0 has two lines")),
+    Case("custom-text-without-rank-lines", lambda tmp: opt(2, "0F0 0F1 0B0 0B1 0OPT\n1F0 1B0 1F1 1B1 1OPT"),
+         ValueError, exactly("the custom schedule '0F0 0F1 0B0 0B1 0OPT\\n1F0 1B0 1F1 1B1 1OPT' has no 'rank <n>:' "
+                             "lines: give each rank's actions on a line of its own, 'rank <n>: <actions>' (e.g. "
+                             "'rank 0: 0F0 0F1 0B0 0B1 0OPT')")),
     Case("custom-text-bad-action", lambda tmp: opt(1, "rank 0: 0F0 0X0 0OPT"), ValueError,
          exactly("not an action: '0X0' (expected e.g. 0F3, 1B0, 0W5, 0OPT, 0F3&7B1, 0SEND_F3>1, 1RECV_F3<0)")),
     Case("custom-dict-bad-action-text", lambda tmp: opt(1, {0: ["0F0", "0B0", "OPT"]}), ValueError,
@@ -348,6 +352,15 @@ CASES = [
     Case("custom-missing-forward", lambda tmp: fresh_minimize(
         {0: ["0F0", "0B0", "0OPT"], 1: ["1F0", "1B0", "1F1", "1B1", "1OPT"]}), ValueError,
          exactly("stage 0 lacks F of micro-batch 1")),
+    Case("custom-lone-w", lambda tmp: fresh_minimize(
+        {0: ["0F0", "0F1", "0B0", "0B1", "0W0", "0OPT"], 1: ["1F0", "1B0", "1F1", "1B1", "1OPT"]}), ValueError,
+         exactly("rank 0, step 4, action 0W0: a W action splits the backward (with none, a B runs the whole "
+                 "backward), so every stage needs a W of each micro-batch after its B; stage 0 lacks W of micro-batch "
+                 "1")),
+    Case("custom-w-without-its-b", lambda tmp: fresh_minimize(
+        {0: ["0F0", "0F1", "0W0", "0B1", "0W1", "0OPT"], 1: ["1F0", "1B0", "1W0", "1F1", "1B1", "1W1", "1OPT"]}),
+         ValueError, exactly("rank 0, step 2, action 0W0: W of micro-batch 0 has no B on stage 0 (stage 0 lacks B of "
+                             "micro-batch 0)")),
     # (a custom schedule is validated as written first: its errors count the steps the user wrote)
     Case("custom-backward-before-forward", lambda tmp: fresh_minimize(
         {0: ["0B0", "0F0", "0F1", "0B1", "0OPT"], 1: ["1F0", "1B0", "1F1", "1B1", "1OPT"]}), ValueError,
@@ -659,6 +672,14 @@ CASES = [
     Case("auto_place-memory-without-limit", lambda tmp: staticpipe.auto_place(forward_program().main, 2,
                                                                              policy="memory"), ValueError,
          exactly("policy 'memory' needs memory_limit= (bytes per device)")),
+    Case("auto_place-memory-limit-negative", lambda tmp: staticpipe.auto_place(
+        forward_program().main, 2, policy="memory", memory_limit="-1GB"), ValueError,
+         exactly("memory_limit='-1GB' is negative: a memory cap must be a positive, finite number of bytes (None for "
+                 "no cap)")),
+    Case("auto_place-memory-limit-not-a-size", lambda tmp: staticpipe.auto_place(
+        forward_program().main, 2, policy="memory", memory_limit="1 gig"), ValueError,
+         exactly("memory_limit='1 gig' is not a size: give bytes (a number) or a size such as '8GB' or '512MiB' "
+                 "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")),
     Case("auto_place-time-without-profile", lambda tmp: staticpipe.auto_place(forward_program().main, 2,
                                                                              policy="time"), ValueError,
          exactly("policy 'time' needs measured times: pass profile= (staticpipe.profile(...)) or feed=")),

@@ -1,16 +1,23 @@
 """staticpipe.fleet: a Paddle fleet pipeline script, ported by imports and names, trains as one device does
 (in one process and launched with data parallelism, each replica fed its own batches as Paddle's fleet
-feeds them), with fleet's AMP; what staticpipe does not implement is refused by name."""
+feeds them), with fleet's AMP; every ``*_configs`` of Paddle's strategy reads and writes as in Paddle; a
+feature staticpipe does not implement runs where it is on at a degree or setting that changes nothing, and is
+refused by name where it changes what training computes."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
 
 import staticpipe
+from models import build_mlp
+from pipeline_util import assert_same_training, train_twins
 from staticpipe import fleet
 from staticpipe._paddle import PADDLE_MAJOR, np, paddle
 
@@ -127,23 +134,24 @@ def small_program(devices=("gpu:0", "gpu:1")):
     return main, startup, loss
 
 
-def refusal(configure, when="minimize", devices=("gpu:0", "gpu:1")) -> str:
+def refusal(configure, devices=("gpu:0", "gpu:1"), optimizer=lambda: paddle.optimizer.SGD(0.1)) -> str:
     fleet.init(is_collective=True)
     strategy = fleet.DistributedStrategy()
     strategy.pipeline = True
     main, startup, loss = small_program(devices)
     with pytest.raises(ValueError) as err, paddle.static.program_guard(main, startup):
         configure(strategy)
-        opt = fleet.distributed_optimizer(paddle.optimizer.SGD(0.1), strategy)
+        opt = fleet.distributed_optimizer(optimizer(), strategy)
         opt.minimize(loss)
     assert staticpipe.plan_of(main) is None
     return str(err.value)
 
 
 def test_what_staticpipe_does_not_implement_is_refused_by_name():
-    assert refusal(lambda s: setattr(s, "sharding", True)) == (
-        "strategy.sharding = True: staticpipe does not implement sharding; unset it (a pipeline with data "
-        "parallelism is hybrid_configs' dp_degree)")
+    assert refusal(lambda s: setattr(s, "sharding", True)) == (  # Paddle's default sharding_degree is 8
+        "strategy.sharding_configs['sharding_degree'] = 8 (strategy.sharding = True): sharding_degree > 1 is not "
+        "supported yet; set it to 1 (sharding_configs' pp_degree and dp_degree then give the pipeline's devices and "
+        "its replicas)")
     assert refusal(lambda s: setattr(s, "pipeline_configs", {"accumulate_steps": 2, "microbatch": 2})) == (
         "strategy.pipeline_configs: unknown key 'microbatch'; its keys are ['accumulate_steps', "
         "'enable_partial_send_recv', 'micro_batch_size', 'p2p_cache_shape', 'schedule_mode']")
@@ -167,8 +175,8 @@ def test_what_staticpipe_does_not_implement_is_refused_by_name():
     def offload(s):
         s.recompute = True
         s.recompute_configs = {"checkpoints": ["x"], "enable_offload": True}
-    assert refusal(offload) == ("strategy.recompute_configs['enable_offload'] = True: staticpipe does not offload "
-                                "checkpoints to host memory; unset it")
+    assert refusal(offload) == ("strategy.recompute_configs['enable_offload'] = True (strategy.recompute = True): "
+                                "staticpipe does not offload checkpoints to host memory; unset it")
     with pytest.raises(ValueError, match=r"^fleet.init\(is_collective=False\) starts a parameter-server job"):
         fleet.init()
 
@@ -182,6 +190,206 @@ def test_configs_read_back_with_paddles_defaults():
     strategy.recompute_configs = {"checkpoints": ["a", "b"]}
     assert strategy.recompute_configs["checkpoints"] == ["a", "b"]
     assert fleet.worker_index() == 0 and fleet.worker_num() == 1 and fleet.is_first_worker()
+
+
+PADDLES = paddle.distributed.fleet.DistributedStrategy
+CONFIGS = sorted(n for n, _ in inspect.getmembers(PADDLES, lambda p: isinstance(p, property)) if n.endswith("_configs"))
+# the parameter-server tables: Paddle's own properties, which neither reads nor writes a dict of protobuf fields
+TABLES = ("fleet_desc_configs", "sparse_table_configs")
+
+
+def fields_of(name: str) -> list:
+    """The protobuf fields of Paddle's ``name`` configs (from the message's descriptor, not from a getter)."""
+    return list(PADDLES().strategy.DESCRIPTOR.fields_by_name[name].message_type.fields)
+
+
+def other_value(field, value=None):
+    """A value of ``field``'s type other than ``value`` (its default), exactly representable in float32."""
+    kind = field.type
+    if kind == FieldDescriptor.TYPE_BOOL:
+        return not value
+    if kind == FieldDescriptor.TYPE_STRING:
+        return (value or "") + "x"
+    if kind in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
+        return 0.25 if value == 0.5 else 0.5
+    return (value or 0) + 3
+
+
+def test_every_configs_property_of_paddles_strategy_is_found_and_the_tables_are_paddles_own():
+    assert {"sharding_configs", "tensor_parallel_configs", "gradient_merge_configs", "lamb_configs", "dgc_configs",
+            "localsgd_configs", "lars_configs", "a_sync_configs", "pipeline_configs", "hybrid_configs"} <= set(CONFIGS)
+    assert sorted(fleet.CONFIGS) == [n for n in CONFIGS if n not in TABLES]
+    for name in TABLES:
+        assert inspect.getattr_static(fleet.DistributedStrategy, name) is inspect.getattr_static(PADDLES, name)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in TABLES])
+def test_a_config_reads_with_paddles_defaults(name):
+    got = getattr(fleet.DistributedStrategy(), name)
+    assert list(got) == [f.name for f in fields_of(name)]
+    for field in fields_of(name):
+        if field.type == FieldDescriptor.TYPE_MESSAGE and not field.is_repeated:  # Paddle returns the message
+            assert got[field.name].ListFields() == [], field.name
+        else:
+            assert got[field.name] == ([] if field.is_repeated else field.default_value), field.name
+    if PADDLE_MAJOR >= 3:  # Paddle 2.6's own getter fails (FieldDescriptor.label); Paddle 3's reads
+        assert got == getattr(PADDLES(), name)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in TABLES])
+def test_a_config_written_in_part_merges_into_it_as_in_paddle(name):
+    """Every other scalar field is written (the rest keep their values), then a list field twice: Paddle's
+    setters extend a list field, and so do these."""
+    scalars = [f for f in fields_of(name) if not f.is_repeated and f.type not in (
+        FieldDescriptor.TYPE_MESSAGE, FieldDescriptor.TYPE_ENUM)]
+    lists = [f for f in fields_of(name) if f.is_repeated and f.type != FieldDescriptor.TYPE_MESSAGE]
+    strategies = [fleet.DistributedStrategy()] + ([PADDLES()] if PADDLE_MAJOR >= 3 else [])
+    before = getattr(strategies[0], name)
+    part = {f.name: other_value(f, before[f.name]) for f in scalars[::2]}
+    for strategy in strategies:
+        setattr(strategy, name, dict(part))
+        for f in lists[:1]:
+            setattr(strategy, name, {f.name: [other_value(f)]})
+            setattr(strategy, name, {f.name: [other_value(f), other_value(f, other_value(f))]})
+    want = {**before, **part, **{f.name: [other_value(f), other_value(f), other_value(f, other_value(f))]
+                                 for f in lists[:1]}}
+    assert getattr(strategies[0], name) == want
+    if PADDLE_MAJOR >= 3:
+        assert getattr(strategies[1], name) == want  # Paddle's own strategy, written alike
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n not in TABLES])
+def test_an_unknown_config_key_is_refused_as_paddle_refuses_it(name):
+    strategy = fleet.DistributedStrategy()
+    before = getattr(strategy, name)
+    message = f"strategy.{name}: unknown key 'no_such_key'; its keys are {sorted(f.name for f in fields_of(name))}"
+    for error in (AssertionError, ValueError):  # Paddle's, staticpipe's
+        with pytest.raises(error, match=f"^{re.escape(message)}$"):
+            setattr(strategy, name, {"no_such_key": 1})
+    assert getattr(strategy, name) == before
+    if PADDLE_MAJOR >= 3:
+        with pytest.raises(AssertionError, match="no_such_key"):
+            setattr(PADDLES(), name, {"no_such_key": 1})
+
+
+def fleet_mlp(configure, make_opt):
+    """A builder for ``train_twins``: the 2-stage MLP, pipelined by fleet with the strategy ``configure`` sets."""
+    def build(guarded=True):
+        net = build_mlp(num_stages=2, guarded=guarded, in_dim=8, hidden=16, depth=2, num_classes=4)
+        if guarded:
+            fleet.init(is_collective=True)
+            strategy = fleet.DistributedStrategy()
+            strategy.pipeline = True
+            strategy.pipeline_configs = {"accumulate_steps": 2, "micro_batch_size": 8}
+            configure(strategy)
+            with paddle.static.program_guard(net.main, net.startup), paddle.utils.unique_name.guard():
+                fleet.distributed_optimizer(make_opt(), strategy).minimize(net.loss)
+        return net
+    return build
+
+
+def switched(**settings):
+    """``configure`` for ``fleet_mlp``: each setting assigned to the strategy, in order."""
+    return lambda strategy: [setattr(strategy, k, v) for k, v in settings.items()]
+
+
+SGD, MOMENTUM = (lambda: paddle.optimizer.SGD(0.1)), (lambda: paddle.optimizer.Momentum(0.1, momentum=0.9))
+CHANGE_NOTHING = {  # features on at a degree or setting that changes nothing here: (settings, optimizer)
+    "sharding-degree-1": (switched(sharding=True, sharding_configs={"sharding_degree": 1}), MOMENTUM),
+    # with pp_degree > 1 Paddle's sharding merges the pipeline's accumulate_steps, not gradient_merge_acc_step
+    "sharding-degrees-of-the-pipeline": (switched(sharding=True, sharding_configs={
+        "sharding_degree": 1, "pp_degree": 2, "dp_degree": 1, "gradient_merge_acc_step": 4}), MOMENTUM),
+    "hybrid-sharding-degree-1": (switched(hybrid_configs={"sharding_degree": 1, "mp_degree": 1, "pp_degree": 2}),
+                                 MOMENTUM),
+    "tensor-parallel-degree-1": (switched(tensor_parallel=True, tensor_parallel_configs={
+        "tensor_parallel_degree": 1}), MOMENTUM),
+    "gradient-merge-k-steps-1": (switched(gradient_merge=True, gradient_merge_configs={"k_steps": 1}), MOMENTUM),
+    "lamb-of-momentum": (switched(lamb=True), MOMENTUM),  # Paddle's fleet makes LAMB of Adam only
+    "lars-of-sgd": (switched(lars=True), SGD),  # and LARS of Momentum only
+    "replica-features-on-one-replica": (switched(dgc=True, localsgd=True, localsgd_configs={"k_steps": 4},
+                                                 adaptive_localsgd=True, sync_batch_norm=True), MOMENTUM),
+    "collective-tuning-and-no-ops": (switched(use_hierarchical_allreduce=True, fuse_grad_merge=True, elastic=True,
+                                              a_sync=True, a_sync_configs={"k_steps": 4}), MOMENTUM),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHANGE_NOTHING))
+def test_a_feature_on_where_it_changes_nothing_trains_like_one_device(case, program_ir):
+    configure, make_opt = CHANGE_NOTHING[case]
+    twin = train_twins(fleet_mlp(configure, make_opt), make_opt, steps=3, batch_size=16)
+    assert_same_training(twin)
+    assert twin.plan.num_stages == 2 and twin.plan.num_microbatches == 2
+
+
+ADAM = lambda: paddle.optimizer.Adam(0.01)  # noqa: E731
+TWO_REPLICAS = {"hybrid_configs": {"dp_degree": 2}}
+REFUSED = {  # a feature on where it changes what training computes: (settings, optimizer, the message)
+    "sharding-degree-2": (dict(sharding=True, sharding_configs={"sharding_degree": 2}), SGD,
+                          "strategy.sharding_configs['sharding_degree'] = 2 (strategy.sharding = True): "
+                          "sharding_degree > 1 is not supported yet; set it to 1 (sharding_configs' pp_degree and "
+                          "dp_degree then give the pipeline's devices and its replicas)"),
+    "hybrid-sharding-degree-2": (dict(hybrid_configs={"sharding_degree": 2}), SGD,
+                                 "strategy.hybrid_configs['sharding_degree'] = 2: sharding_degree > 1 is not "
+                                 "supported yet; set it to 1"),
+    "sharding-mp-degree": (dict(sharding=True, sharding_configs={"sharding_degree": 1, "mp_degree": 2}), SGD,
+                           "strategy.sharding_configs['mp_degree'] = 2 (strategy.sharding = True): staticpipe runs "
+                           "pipeline and data parallelism only (pp_degree, dp_degree); set it to 1"),
+    "sharding-gradient-merge": (dict(sharding=True, sharding_configs={"sharding_degree": 1,
+                                                                      "gradient_merge_acc_step": 4}), SGD,
+                                "strategy.sharding_configs['gradient_merge_acc_step'] = 4 (strategy.sharding = True): "
+                                "staticpipe does not merge gradients over steps; set it to 1 (a step already "
+                                "averages the gradients of pipeline_configs['accumulate_steps'] micro-batches)"),
+    "sharding-offload": (dict(sharding=True, sharding_configs={"sharding_degree": 1, "optimize_offload": True}),
+                         SGD, "strategy.sharding_configs['optimize_offload'] = True (strategy.sharding = True): "
+                              "staticpipe does not offload optimizer states to host memory; unset it"),
+    "sharding-dp-as-optimizer-sharding": (
+        dict(sharding=True, sharding_configs={"sharding_degree": 1, "pp_degree": 2, "dp_degree": 2,
+                                              "_dp_as_optimizer_sharding": True}), SGD,
+        "strategy.sharding_configs['_dp_as_optimizer_sharding'] = True (strategy.sharding = True): sharding the "
+        "optimizer states over the 2 replicas is not supported yet; unset it"),
+    "sharding-pp-degree": (dict(sharding=True, sharding_configs={"sharding_degree": 1, "pp_degree": 4}), SGD,
+                           "strategy.sharding_configs['pp_degree'] = 4, but the program's device_guard tags name 2 "
+                           "devices ['gpu:0', 'gpu:1']"),
+    "sharding-dp-disagrees": (dict(hybrid_configs={"dp_degree": 2}, sharding=True,
+                                   sharding_configs={"sharding_degree": 1}), SGD,
+                              "strategy.hybrid_configs['dp_degree'] = 2 but strategy.sharding_configs['dp_degree'] = "
+                              "1 (strategy.sharding = True): Paddle's static fleet reads the sharding_configs one; "
+                              "make them agree"),
+    "tensor-parallel-degree-2": (dict(tensor_parallel=True, tensor_parallel_configs={"tensor_parallel_degree": 2}),
+                                 SGD, "strategy.tensor_parallel_configs['tensor_parallel_degree'] = 2 "
+                                      "(strategy.tensor_parallel = True): staticpipe runs pipeline and data "
+                                      "parallelism only (pp_degree, dp_degree); set it to 1"),
+    "gradient-merge-k-steps-4": (dict(gradient_merge=True, gradient_merge_configs={"k_steps": 4}), SGD,
+                                 "strategy.gradient_merge_configs['k_steps'] = 4 (strategy.gradient_merge = True): "
+                                 "staticpipe does not merge gradients over steps; set it to 1 (a step already "
+                                 "averages the gradients of pipeline_configs['accumulate_steps'] micro-batches)"),
+    "lamb-of-adam": (dict(lamb=True), ADAM, "strategy.lamb = True with the optimizer Adam: Paddle's fleet trains "
+                                            "it as LAMB, which staticpipe does not implement; unset strategy.lamb"),
+    "lars-of-momentum": (dict(lars=True), MOMENTUM,
+                         "strategy.lars = True with the optimizer Momentum: Paddle's fleet trains it as LARS, which "
+                         "staticpipe does not implement; unset strategy.lars"),
+    "dgc-with-replicas": (dict(dgc=True, **TWO_REPLICAS), MOMENTUM,
+                          "strategy.dgc = True with the optimizer Momentum and 2 data-parallel replicas: Paddle's "
+                          "fleet compresses their gradients (DGC), which staticpipe does not implement; unset it"),
+    "localsgd-with-replicas": (dict(localsgd=True, localsgd_configs={"k_steps": 4}, **TWO_REPLICAS), SGD,
+                               "strategy.localsgd_configs['k_steps'] = 4 (strategy.localsgd = True) with 2 "
+                               "data-parallel replicas: staticpipe averages the replicas' gradients every step, not "
+                               "their parameters every k_steps; set it to 1"),
+    "adaptive-localsgd-with-replicas": (dict(adaptive_localsgd=True, **TWO_REPLICAS), SGD,
+                                        "strategy.adaptive_localsgd = True with 2 data-parallel replicas: staticpipe "
+                                        "averages the replicas' gradients every step, not their parameters every few "
+                                        "steps; unset it"),
+    "sync-batch-norm-with-replicas": (dict(sync_batch_norm=True, **TWO_REPLICAS), SGD,
+                                      "strategy.sync_batch_norm = True with 2 data-parallel replicas: staticpipe does "
+                                      "not synchronise batch-norm statistics across replicas; unset it"),
+    "asp": (dict(asp=True), SGD, "strategy.asp = True: staticpipe does not implement asp; unset it"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_feature_on_where_it_changes_training_is_refused_naming_the_option_and_value(case):
+    settings, make_opt, message = REFUSED[case]
+    assert refusal(switched(**settings), optimizer=make_opt) == message
 
 
 def test_one_stage_ignores_fleets_default_micro_batch_size_and_fetches_per_micro_batch_on_request():

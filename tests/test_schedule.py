@@ -6,8 +6,8 @@ import re
 import pytest
 
 from schedule_util import as_strings, rank_peak
-from staticpipe.schedule import (Action, Kind, canonical_name, check_microbatches, f_then_b, get_kind, interleaved,
-                                 make_schedule, one_f_one_b)
+from staticpipe.schedule import (Action, Kind, ScheduleError, canonical_name, check_microbatches, f_then_b, get_kind,
+                                 interleaved, make_schedule, one_f_one_b, parse_action, validate)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -247,6 +247,55 @@ def test_unknown_schedule(name):
         get_kind(name)
     with pytest.raises(ValueError, match=re.escape(message)):
         make_schedule(name, 2, 4)
+
+
+@pytest.mark.parametrize("name", ["1F1", "rank 0: 0F0 0B0 0OPT"])
+def test_one_action_or_a_whole_custom_text_is_an_unknown_name(name):
+    """Text that reads as actions without its rank lines is refused as such (test_schedule_text.py)."""
+    with pytest.raises(ValueError, match=f"^{re.escape(f'unknown schedule {name!r}; known schedules: {KNOWN}')}$"):
+        canonical_name(name)
+
+
+def parsed(text: dict) -> dict:
+    return {r: [parse_action(t) for t in line.split()] for r, line in text.items()}
+
+
+# the backward not split: stage 1's actions for 4 micro-batches, as 1F1B runs them on the last of 2 ranks
+LAST = "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1OPT"
+
+
+SPLITS = ("a W action splits the backward (with none, a B runs the whole backward), so every stage needs a W of each "
+          "micro-batch after its B")
+
+
+@pytest.mark.parametrize("rank0, step, problem", [
+    # one W in a schedule of whole backwards: it splits them all, and is named first
+    ("0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3 0W0 0OPT", 8, f"{SPLITS}; stage 0 lacks W of micro-batches 1, 2, 3"),
+    ("0F0 0F1 0F2 0F3 0W0 0B0 0B1 0B2 0B3 0OPT", 4, f"{SPLITS}; stage 0 lacks W of micro-batches 1, 2, 3"),
+    # a W where its B should be: the W has no B
+    ("0F0 0F1 0F2 0F3 0W0 0B1 0B2 0B3 0OPT", 4,
+     "W of micro-batch 0 has no B on stage 0 (stage 0 lacks B of micro-batch 0)"),
+    # a B whose F is missing
+    ("0F0 0F2 0F3 0B0 0B1 0B2 0B3 0OPT", 4,
+     "B of micro-batch 1 has no F on stage 0 (stage 0 lacks F of micro-batch 1)"),
+])
+def test_a_missing_action_is_reported_after_the_action_at_fault(rank0, step, problem):
+    action = rank0.split()[step]
+    message = f"rank 0, step {step}, action {action}: {problem}"
+    with pytest.raises(ScheduleError, match=f"^{re.escape(message)}$") as err:
+        validate(parsed({0: rank0, 1: LAST}), 2, 4, [0, 1], split_backward="W" in rank0)
+    assert (err.value.rank, err.value.step, str(err.value.action)) == (0, step, action)
+
+
+def test_a_missing_action_with_no_action_at_fault_names_the_stage():
+    """No W at all, or every stage but one with all its W's: the stage that lacks them is the fault."""
+    whole = "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3 0OPT"
+    with pytest.raises(ScheduleError, match=r"^stage 0 lacks W of micro-batches 0, 1, 2, 3$"):
+        validate(parsed({0: whole, 1: LAST}), 2, 4, [0, 1], split_backward=True)
+    split = "1F0 1B0 1W0 1F1 1B1 1W1 1F2 1B2 1W2 1F3 1B3 1W3 1OPT"
+    with pytest.raises(ScheduleError, match=r"^stage 0 lacks W of micro-batches 1, 2, 3$") as err:
+        validate(parsed({0: whole.replace("0B3", "0B3 0W0"), 1: split}), 2, 4, [0, 1], split_backward=True)
+    assert (err.value.rank, err.value.step, err.value.action) == (0, None, None)
 
 
 @pytest.mark.parametrize("m", [0, -1, 2.5, True, False, "4", None])

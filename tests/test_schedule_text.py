@@ -6,8 +6,8 @@ import re
 import pytest
 
 from schedule_util import CASES, chain_routes
-from staticpipe.schedule import (Action, Kind, format_schedule, lower, make_schedule, one_f_one_b, parse_action,
-                                 parse_schedule, schedule_from_json, schedule_to_json)
+from staticpipe.schedule import (Action, Kind, canonical_name, format_schedule, get_kind, lower, make_schedule,
+                                 one_f_one_b, parse_action, parse_schedule, schedule_from_json, schedule_to_json)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,3 +71,23 @@ def test_bad_schedule_text():
         schedule_from_json('{"0": [{"kind": "Z", "stage": 0}]}')
     with pytest.raises(ValueError, match=re.escape("a JSON schedule is an object mapping each rank to a list")):
         schedule_from_json('[1, 2]')
+
+
+UNRANKED = ("the custom schedule {!r} has no 'rank <n>:' lines: give each rank's actions on a line of its own, "
+            "'rank <n>: <actions>' (e.g. 'rank 0: 0F0 0F1 0B0 0B1 0OPT')")
+
+
+@pytest.mark.parametrize("text", ["0F0 0F1 0B0 0B1 0OPT", "0F0 0B0 0OPT\n1F0 1B0 1OPT", " 0F0 0B0 0OPT ",
+                                  "rank0: 0F0 0B0 0OPT", "Rank 0: 0F0 0B0 0OPT", "0F0&1B0 0OPT"])
+def test_schedule_text_without_rank_lines_is_refused_as_such_not_as_an_unknown_name(text):
+    """A schedule name that reads as two or more actions is a custom schedule whose ``rank <n>:`` lines are
+    missing."""
+    for call in (canonical_name, get_kind, lambda t: make_schedule(t, 2, 4)):
+        with pytest.raises(ValueError, match=f"^{re.escape(UNRANKED.format(text))}$"):
+            call(text)
+
+
+def test_schedule_text_whose_rank_lines_do_not_come_first_names_the_first_line():
+    message = "not a schedule line: '# by hand' (expected 'rank <n>: <actions>')"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        canonical_name("# by hand\nrank 0: 0F0 0B0 0OPT")

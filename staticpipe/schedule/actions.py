@@ -161,6 +161,25 @@ def parse_schedule(text: str) -> Schedule:
     return schedule
 
 
+def check_unranked_text(text: str) -> None:
+    """``ValueError`` if ``text``, no schedule's name, reads as a custom schedule whose ``rank <n>:`` lines are
+    missing (two or more actions) or do not come first (``parse_schedule`` names the line at fault)."""
+    if any(_LINE_RE.fullmatch(line.strip()) for line in text.splitlines()):
+        parse_schedule(text)
+        return
+    if sum(1 for token in text.split() if _is_action(token)) >= 2:
+        raise ValueError(f"the custom schedule {text!r} has no 'rank <n>:' lines: give each rank's actions on a line "
+                         "of its own, 'rank <n>: <actions>' (e.g. 'rank 0: 0F0 0F1 0B0 0B1 0OPT')")
+
+
+def _is_action(text: str) -> bool:
+    try:
+        parse_action(text)
+    except ValueError:
+        return False
+    return True
+
+
 _FIELDS = ("microbatch", "route", "peer", "b_stage", "b_microbatch")
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..gc_paused import gc_paused
-from .actions import Action, Schedule
+from .actions import Action, Schedule, check_unranked_text
 from .dualpipe import dualpipe_v
 from .gpipe import f_then_b
 from .interleaved import interleaved
@@ -84,6 +84,8 @@ def canonical_name(name: str) -> str:
         return name
     if isinstance(name, str) and name in ALIASES:
         return ALIASES[name]
+    if isinstance(name, str):
+        check_unranked_text(name)  # a custom schedule's text, its rank lines missing
     raise ValueError(f"unknown schedule {name!r}; known schedules: {_known()}")
 
 

@@ -82,7 +82,7 @@ def validate(schedule: Schedule, num_stages: int, num_microbatches: int, stage_r
         columns[r] = columns_of(acts)
     if sum(len(ran) for stages in seen.values() for ran in stages.values()) != \
             num_stages * (len(kinds) * num_microbatches + 1):  # each is checked, and none twice
-        _check_complete(seen, num_stages, num_microbatches, stage_ranks, kinds)
+        _check_complete(schedule, seen, num_stages, num_microbatches, stage_ranks, kinds)
     if out_of_order is not None:
         raise out_of_order
     timeline(schedule, num_stages, None, collectives, columns)
@@ -105,17 +105,39 @@ def _order_error(r: int, i: int, a: Action, h: Action, seen: Seen, num_microbatc
     return None
 
 
-def _check_complete(seen: Seen, num_stages: int, num_microbatches: int, stage_ranks: list[int],
+def _check_complete(schedule: Schedule, seen: Seen, num_stages: int, num_microbatches: int, stage_ranks: list[int],
                     kinds: tuple[Kind, ...]) -> None:
-    """Raise naming the first stage that lacks an action, and which."""
+    """Raise naming the first stage that lacks an action, and which: after the action at fault where one is
+    (``_at_fault``)."""
     for s in range(num_stages):
         for k in kinds:
             missing = list(filterfalse(seen[k][s].__contains__, range(num_microbatches)))
             if missing:
                 mbs = f"micro-batch{'es' * (len(missing) > 1)} {', '.join(map(str, missing))}"
-                raise ScheduleError(f"stage {s} lacks {k.value} of {mbs}", stage_ranks[s])
+                lacks = f"stage {s} lacks {k.value} of {mbs}"
+                raise _at_fault(schedule, seen, s, k, missing, kinds, num_microbatches, lacks) or ScheduleError(
+                    lacks, stage_ranks[s])
         if None not in seen[Kind.OPT][s]:
             raise ScheduleError(f"stage {s} lacks its OPT", stage_ranks[s])
+
+
+def _at_fault(schedule: Schedule, seen: Seen, s: int, k: Kind, missing: list[int], kinds: tuple[Kind, ...],
+              num_microbatches: int, lacks: str) -> ScheduleError | None:
+    """The error naming the action that makes stage ``s`` lack ``k`` of ``missing``, if one does: a B (W) of
+    such a micro-batch, which has no F (B) to follow; else, where W actions are few (no stage has all its W's),
+    the first W, whose presence splits every backward."""
+    later = kinds[kinds.index(k) + 1] if k is not kinds[-1] else None
+    stray = k is Kind.W and not any(len(seen[Kind.W][t]) == num_microbatches for t in seen[Kind.W])
+    for r, acts in sorted(schedule.items()):
+        for i, a in enumerate(acts):
+            for h in a.halves():
+                if h.kind is later and h.stage == s and h.microbatch in missing:
+                    return fail(r, i, a, f"{later.value} of micro-batch {h.microbatch} has no {k.value} on stage {s} "
+                                         f"({lacks})")
+                if stray and h.kind is Kind.W:
+                    return fail(r, i, a, "a W action splits the backward (with none, a B runs the whole backward), "
+                                         f"so every stage needs a W of each micro-batch after its B; {lacks}")
+    return None
 
 
 def _check_action(r: int, i: int, a: Action, h: Action, num_stages: int, num_microbatches: int,
