@@ -151,3 +151,27 @@ def test_fetched_values_of_every_form_come_back_as_one_device_computes_them(prog
             assert isinstance(value, list) and len(value) == M, name
             continue
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("option", [{"ignore_index": 0}, {"weight": True}])
+def test_cross_entropys_ratio_is_refused_naming_where_it_begins_and_the_loss(program_ir, option):
+    """cross_entropy's mean with weight or ignore_index divides a sum by a count of the batch: refused, naming
+    the first op at fault and the op that makes the loss; Paddle's averaging (loss_reduction="mean") takes it."""
+    def build():
+        net = per_token_net(lambda ce, reg: ce)  # its loss left aside: cross_entropy's own mean is the loss
+        with paddle.static.program_guard(net.main, net.startup), staticpipe.device_guard("gpu:1"):
+            kw = {"weight": paddle.full([3], 2.0)} if "weight" in option else option
+            loss = paddle.nn.functional.cross_entropy(net.outputs["logits"], net.feeds[1], **kw)
+        return net, loss
+
+    net, loss = build()
+    divide = "elementwise_div" if program_ir == "legacy" else "divide"
+    with pytest.raises(ValueError, match=rf"^the loss is neither a batch mean nor a batch sum: op 'equal' \(.*\) makes "
+                                         rf"it so, it is not a mean or a sum over the batch \(the loss, made by op "
+                                         rf"'{divide}' -> .*, depends on it\)\..*trains a ratio such as cross_entropy's"):
+        with paddle.static.program_guard(net.main, net.startup):
+            staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=M).minimize(loss)
+    net, loss = build()
+    with paddle.static.program_guard(net.main, net.startup):
+        staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), num_microbatches=M, loss_reduction="mean").minimize(loss)
+    assert staticpipe.plan_of(net.main).loss_reduction == "mean"

@@ -64,9 +64,11 @@ class Batched:
 
 @dataclass(frozen=True, eq=False)
 class Neither:
-    """A value of the batch that is none of a mean, a sum, an extreme or per-sample values: ``why``."""
+    """A value of the batch that is none of a mean, a sum, an extreme or per-sample values: ``op`` made it so,
+    for ``reason``."""
 
-    why: str
+    op: Any
+    reason: str
 
 
 Status = Union[str, Batched, Neither]
@@ -81,8 +83,8 @@ def loss_reduction(block: Any, assignment: StageAssignment, loss: str) -> str:
     naming the op that makes it neither."""
     status, producer, extreme_of = _statuses(block, assignment)
     kind = status.get(loss, CONSTANT)
-    if isinstance(kind, Neither):
-        raise NotAReduction(kind.why)
+    if isinstance(kind, Neither):  # named where it began, and where it reaches the loss if elsewhere
+        raise NotAReduction(_why(kind.op, kind.reason, producer[loss]))
     if isinstance(kind, Batched):
         raise NotAReduction(_why(producer[loss], "the loss still holds one value per sample (reduce it over the "
                                                  "batch)"))  # (Paddle's backward refuses most such losses first)
@@ -147,9 +149,9 @@ def _through(op: Any, by_name: dict[str, Status], graph: _Graph) -> dict[str, St
         if all(s in (SIZE, CONSTANT) for s in ins):
             return dict.fromkeys(outs, SIZE)
         if whole and (by_name[first] == SIZE or (t not in _LAYOUT and not _reduces(op))):
-            return dict.fromkeys(outs, Neither(_why(op, "it combines a value of the whole batch with one computed "
+            return dict.fromkeys(outs, Neither(op, "it combines a value of the whole batch with one computed "
                                                         "from the shape of the batch's values, which is a micro-"
-                                                        "batch's in a pipeline: use a constant")))
+                                                        "batch's in a pipeline: use a constant"))
         by_name = {n: CONSTANT if s == SIZE else s for n, s in by_name.items()}  # a size beside values: fixed
         ins = [CONSTANT if s == SIZE else s for s in ins]
     if t == "accuracy" and not whole:  # the fraction right (a mean), and the counts right and in all (sums)
@@ -168,7 +170,7 @@ def _through(op: Any, by_name: dict[str, Status], graph: _Graph) -> dict[str, St
     if t in _MUL | _DIV:
         return dict.fromkeys(outs, _multiplied(op, operands[:2], ins[:2], t in _DIV, graph))
     if whole:
-        return dict.fromkeys(outs, Neither(_why(op, "it is not a mean or a sum over the batch")))
+        return dict.fromkeys(outs, Neither(op, "it is not a mean or a sum over the batch"))
     source = next(n for n, s in by_name.items() if isinstance(s, Batched))
     return {n: _per_sample(op, by_name[source].axis, source, n, graph) for n in outs}
 
@@ -179,17 +181,17 @@ def _reduced(op: Any, x: Status, graph: _Graph) -> Status:
     if not isinstance(x, Batched):  # already one value of the whole batch
         if x == kind or (x in (MEAN, SUM) and kind in (MEAN, SUM)):
             return x  # linear over the other axes: a sum of means is a mean
-        return Neither(_why(op, f"it takes the {kind} of a batch {x}"))
+        return Neither(op, f"it takes the {kind} of a batch {x}")
     axes, rank = _axes(op, graph), len(graph.shape(_operands(op)[0]) or ())
     if axes is _COMPUTED:
-        return Neither(_why(op, "its axes are computed when the program runs, so whether it reduces the batch "
-                                "is not known"))
+        return Neither(op, "its axes are computed when the program runs, so whether it reduces the batch "
+                                "is not known")
     reduced = set(range(rank)) if axes is _ALL else {a % rank if rank else a for a in axes}
     if reduced >= set(range(rank)) or (x.axis is not None and x.axis in reduced):
         return kind
     if x.axis is None:
-        return Neither(_why(op, "it reduces some dimensions of a value whose batch dimension is not known (a "
-                                "reshape moved it)"))
+        return Neither(op, "it reduces some dimensions of a value whose batch dimension is not known (a "
+                                "reshape moved it)")
     keep = any(op.has_attr(k) and op.attr(k) for k in ("keep_dim", "keepdim"))
     return Batched(x.axis if keep else x.axis - sum(a < x.axis for a in reduced))
 
@@ -200,10 +202,10 @@ def _scaled(op: Any, names: list[str], ins: list[Status], graph: _Graph) -> Stat
         return _multiplied(op, names[:2], ins[:2], False, graph)
     x = ins[0]
     if x in (MAX, MIN):  # a negative factor turns a max into a min: neither, here
-        return Neither(_why(op, "it scales a batch max or min"))
+        return Neither(op, "it scales a batch max or min")
     if x == SUM and op.has_attr("bias") and op.attr("bias"):
-        return Neither(_why(op, "it adds a constant to a batch sum, which the micro-batches' sums would add once "
-                                "each"))
+        return Neither(op, "it adds a constant to a batch sum, which the micro-batches' sums would add once "
+                                "each")
     return x
 
 
@@ -211,7 +213,7 @@ def _added(op: Any, by_name: dict[str, Status], graph: _Graph) -> Status:
     """A sum or difference of terms."""
     per_sample = [n for n, s in by_name.items() if isinstance(s, Batched)]
     if per_sample and any(s in _WHOLE for s in by_name.values()):
-        return Neither(_why(op, "it adds per-sample values to a value of the whole batch"))
+        return Neither(op, "it adds per-sample values to a value of the whole batch")
     if per_sample:  # the widest term's batch axis (the others broadcast against it)
         widest = max(per_sample, key=lambda n: len(graph.shape(n) or ()))
         return _per_sample(op, by_name[widest].axis, widest, op.output_arg_names[0], graph)
@@ -219,8 +221,8 @@ def _added(op: Any, by_name: dict[str, Status], graph: _Graph) -> Status:
     terms = kinds - {CONSTANT}
     if len(terms) == 1 and not (terms == {SUM} and CONSTANT in kinds) and not terms & {MAX, MIN}:
         return terms.pop()
-    return Neither(_why(op, f"it adds terms of kinds {sorted(kinds)} (a batch mean, a batch sum, a value that does "
-                            "not depend on the batch)"))
+    return Neither(op, f"it adds terms of kinds {sorted(kinds)} (a batch mean, a batch sum, a value that does "
+                            "not depend on the batch)")
 
 
 def _multiplied(op: Any, names: list[str], pair: list[Status], divides: bool, graph: _Graph) -> Status:
@@ -228,14 +230,14 @@ def _multiplied(op: Any, names: list[str], pair: list[Status], divides: bool, gr
     a, b = pair
     if isinstance(a, Batched) or isinstance(b, Batched):
         if a in _WHOLE or b in _WHOLE:
-            return Neither(_why(op, "it multiplies per-sample values by a value of the whole batch"))
+            return Neither(op, "it multiplies per-sample values by a value of the whole batch")
         k = 0 if isinstance(a, Batched) else 1
         return _per_sample(op, pair[k].axis, names[k], op.output_arg_names[0], graph)
     if CONSTANT in pair and (not divides or b == CONSTANT) and not {a, b} & {MAX, MIN}:
         return a if b == CONSTANT else b
     if CONSTANT in pair:
-        return Neither(_why(op, "it divides by a value of the batch" if divides else "it scales a batch max or min"))
-    return Neither(_why(op, "both of its operands depend on the batch"))
+        return Neither(op, "it divides by a value of the batch" if divides else "it scales a batch max or min")
+    return Neither(op, "both of its operands depend on the batch")
 
 
 def _per_sample(op: Any, axis: int | None, source: str, out: str, graph: _Graph) -> Status:
@@ -244,7 +246,7 @@ def _per_sample(op: Any, axis: int | None, source: str, out: str, graph: _Graph)
     before, after = graph.shape(source), graph.shape(out)
     if axis is not None and before is not None and after is not None and len(before) > axis and before[axis] == -1 \
             and -1 not in after:
-        return Neither(_why(op, "it takes the batch's dimension away without a mean or a sum"))
+        return Neither(op, "it takes the batch's dimension away without a mean or a sum")
     return Batched(_moved(op, axis, source, out, graph))
 
 
@@ -339,9 +341,12 @@ def _adds_terms(op: Any) -> bool:
     return op.type == "sum" and (not hasattr(op, "op") or bool(getattr(op, "_sum_inputs", 0)))
 
 
-def _why(op: Any, reason: str) -> str:
+def _why(op: Any, reason: str, last: Any = None) -> str:
+    via = "" if last is None or last is op else (f" (the loss, made by op '{last.type}' -> "
+                                                 f"{', '.join(last.output_arg_names)}, depends on it)")
     return (f"the loss is neither a batch mean nor a batch sum: op '{op.type}' ({', '.join(op.input_arg_names)} -> "
-            f"{', '.join(op.output_arg_names)}) makes it so, {reason}. A pipeline runs the loss per micro-batch and "
-            "must know how to put the micro-batches together: make the loss a mean (paddle.mean) or a sum "
+            f"{', '.join(op.output_arg_names)}) makes it so, {reason}{via}. A pipeline runs the loss per micro-batch "
+            "and must know how to put the micro-batches together: make the loss a mean (paddle.mean) or a sum "
             "(paddle.sum) over the batch of per-sample terms, or pass loss_reduction='mean' to average the "
-            "micro-batches' gradients whatever the loss (Paddle's pipeline does)")
+            "micro-batches' gradients whatever the loss (Paddle's pipeline does; that is how it trains a ratio such "
+            "as cross_entropy's mean with weight or ignore_index)")
