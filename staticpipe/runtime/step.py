@@ -105,7 +105,8 @@ class StepRunner:
                 fed = [np.array(mb[name]) for mb in micro] if local & set(plan.data_vars[name]) else None
                 out.append(fed if fed is None or not merged else np.concatenate(fed))
                 continue
-            stage = persist[name] if name in persist else plan.producers[name].stage
+            stage = next((s for s in persist[name] if s in local), persist[name][0]) if name in persist else \
+                plan.producers[name].stage  # state several stages hold (a learning rate) is alike: a local one's
             if stage not in local:
                 out.append(None)  # computed by another process
             elif name in persist:
@@ -302,10 +303,10 @@ def _size_mismatch(plan: Plan, size: int, expected: int, compiled: bool) -> str:
 
 
 def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
-    """(per-micro-batch fetches: (stage, section kind) -> names; persistable fetches: name -> stage). A data
-    variable is in neither: its value is the batch fed."""
+    """(per-micro-batch fetches: (stage, section kind) -> names; persistable fetches: name -> the stages that
+    hold it). A data variable is in neither: its value is the batch fed."""
     where: dict[tuple[int, str], tuple[str, ...]] = {}
-    persist: dict[str, int] = {}
+    persist: dict[str, list[int]] = {}
     for name in fetch:
         ref = plan.producers.get(name)
         if ref is not None:
@@ -313,7 +314,7 @@ def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
         elif name in plan.data_vars:
             continue
         elif plan.stage_of_var(name):
-            persist[name] = plan.stage_of_var(name)[0]
+            persist[name] = plan.stage_of_var(name)
         else:
             raise ValueError(f"cannot fetch '{name}': it is not computed by the pipelined program nor "
                              "part of any stage's state")
