@@ -155,11 +155,20 @@ class DistributedChannel(Channel):
 
     def allreduce(self, key: Hashable, rank: int, value: np.ndarray, ranks: int) -> np.ndarray:
         """Over this replica's pipeline group; gloo matches the ranks' calls by their order, which is the
-        same on every rank (the plan's exchange order), so ``key`` names the sum only in errors."""
+        same on every rank (the plan's exchange order), so ``key`` names the sum only in errors. The parts
+        are gathered and added in rank order, as the in-process channel adds them: gloo's ring sums three
+        or more parts in another order, and a global-norm clip then scaled by a factor an ulp off the one
+        process run's (every parameter differed after a step on an Intel Xeon). The parts are a few
+        numbers (squared norms, flags), so gathering them costs what summing them did."""
         if ranks != len(self._pipeline_ranks) or self._pipeline_ranks[rank] != self.rank:
             raise RuntimeError(f"all-reduce {key}: rank {rank} of {ranks} does not match this process (rank "
                                f"{self.rank} of the pipeline {self._pipeline_ranks})")
-        return self._sum(value, self._pipeline)
+        self._check()
+        with self._eager():
+            parts: list = []
+            self._dist.all_gather(parts, paddle.to_tensor(value, place=self._place), group=self._pipeline)
+            parts = [p.numpy() for p in parts]
+        return sum(parts[1:], parts[0].copy())
 
     def replica_mean(self, value: np.ndarray) -> np.ndarray:
         if self.replicas == 1:
