@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -17,6 +18,8 @@ from models import build_mlp
 from pipeline_util import minimize
 from staticpipe import capabilities
 from staticpipe._paddle import PADDLE_MAJOR, paddle
+from staticpipe.capabilities import bf16_numbers
+from staticpipe.capabilities.bf16_numbers import Measured
 
 REASON = "could not create a primitive descriptor for a matmul primitive"
 
@@ -63,6 +66,20 @@ def test_the_probe_sees_onednn_capped_below_bfloat16():
     assert line.startswith(f"CPU: {capabilities.cpu_model()}, {os.cpu_count()} cores, flags: ")
     assert ", ONEDNN_MAX_CPU_ISA=AVX2; Paddle " in line
     assert "bfloat16 on CPU does not run (" in line, line
+    assert "RuntimeWarning" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_command_line_runs_as_a_package_main_without_runpy_warning():
+    """``python -m staticpipe.capabilities`` as .ci/run calls it: staticpipe imports capabilities first, so a
+    module run as __main__ drew runpy's RuntimeWarning about sys.modules; the package's __main__ does not."""
+    env = {k: v for k, v in os.environ.items() if k != capabilities.WRONG_BF16_ENV}
+    out = subprocess.run([sys.executable, "-W", "always", "-m", "staticpipe.capabilities"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "RuntimeWarning" not in out.stderr, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"CPU: {capabilities.cpu_model()}, "), line
+    assert any(f"bfloat16 on CPU {v}" in line for v in ("runs", "does not run (", "runs but is wrong here (")), line
 
 
 def test_a_bf16_program_on_a_cpu_without_bf16_is_refused_at_minimize_before_it_changes(no_bf16):
@@ -183,3 +200,81 @@ def test_a_pir_auto_cast_program_whose_backward_crashes_here_is_refused_at_minim
             "(staticpipe.use_legacy_ir() before building, or STATICPIPE_LEGACY_IR=1; README \"PIR programs\"), or "
             "put this stage on a GPU")
         assert len(main.global_block().ops) == count
+
+
+# What Paddle 2.6.2 measured here (Intel Xeon, avx512_bf16, legacy IR): the figures the wrong-path tests feed
+REDUCTION = "could not create a primitive descriptor for a reduction primitive descriptor"
+MEASURED = [Measured("the step", 1, raised=REDUCTION),
+            Measured("fc output [4, 4]", 4, 0.0004), Measured("bias gradient [4]", 4, 0.929),
+            Measured("weight gradient [8, 32]", 32, 0.002), Measured("bias gradient [32]", 32, 1.302)]
+WRONG = ("the step at batch 1 raised 'could not create a primitive descriptor for a reduction primitive descriptor'; "
+         "bias gradient [4] at batch 4: 92.9% off float32; bias gradient [32] at batch 32: 130.2% off float32")
+
+
+def wrong_refusal(device: str, what: str) -> str:
+    return (f"device {device!r} runs on the CPU, where Paddle runs {what} but computes it wrong: on this CPU "
+            f"({capabilities.cpu_model()}) Paddle {paddle.__version__}'s bfloat16 step is off float32 by more than "
+            f"bfloat16's precision (1.56%): {WRONG}. Train in float32, or put this stage on a GPU, or set "
+            "STATICPIPE_ALLOW_WRONG_BF16=1 to train with Paddle's numbers as they are")
+
+
+@pytest.fixture
+def wrong_bf16(monkeypatch):
+    """The probe's measurement replaced by the figures above; the verdict is the probe's own."""
+    monkeypatch.setattr(bf16_numbers, "measure", lambda: list(MEASURED))
+    monkeypatch.delenv(capabilities.WRONG_BF16_ENV, raising=False)
+    monkeypatch.setattr(capabilities, "_probed", {False: capabilities._probe_numbers()})
+
+
+def test_bfloat16_that_runs_wrong_is_reported_with_its_figures(wrong_bf16, monkeypatch):
+    assert capabilities.cpu_bf16() == capabilities.Bf16Support(True, wrong=WRONG)
+    assert not capabilities.cpu_bf16().right
+    assert capabilities.describe().endswith(f"(legacy IR): bfloat16 on CPU runs but is wrong here ({WRONG})")
+    monkeypatch.setenv(capabilities.WRONG_BF16_ENV, "1")
+    assert capabilities.describe().endswith(
+        f"bfloat16 on CPU runs but is wrong here ({WRONG}, trained as STATICPIPE_ALLOW_WRONG_BF16=1 allows)")
+
+
+def test_right_figures_make_a_right_answer(monkeypatch):
+    monkeypatch.setattr(bf16_numbers, "measure", lambda: [m for m in MEASURED if m.error and m.error < 0.01])
+    assert capabilities._probe_numbers() == capabilities.Bf16Support(True)
+    assert capabilities._probe_numbers().right
+
+
+@pytest.mark.skipif(not capabilities.cpu_bf16().ok, reason="the matmul probe decides first where bf16 has no kernel")
+def test_the_probe_checks_the_numbers_where_the_matmul_runs(monkeypatch):
+    monkeypatch.setattr(bf16_numbers, "measure", lambda: list(MEASURED))
+    assert capabilities._probe(False) == capabilities.Bf16Support(True, wrong=WRONG)
+
+
+def test_bfloat16_that_runs_wrong_is_refused_at_minimize_and_at_first_run_unless_allowed(wrong_bf16, monkeypatch):
+    what = "a bfloat16 AMP program (its white-list ops cast to bfloat16)"
+    net = build_mlp(num_stages=2, hidden=16, in_dim=8)
+    before = ops_of(net.main), ops_of(net.startup)
+    with pytest.raises(ValueError) as err:
+        minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=2))
+    assert str(err.value) == wrong_refusal("gpu:0", what)
+    assert (ops_of(net.main), ops_of(net.startup)) == before
+    monkeypatch.setenv(capabilities.WRONG_BF16_ENV, "1")  # the opt-in: built ...
+    minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=2))
+    monkeypatch.delenv(capabilities.WRONG_BF16_ENV)  # ... and run where it is not set: refused before it runs
+    exe = staticpipe.Executor()
+    with pytest.raises(ValueError) as err:
+        exe.run(net.startup)
+    found = capabilities.bf16_kernel_op(staticpipe.plan_of(net.main).stages[0].sections["forward"].program)
+    assert str(err.value) == wrong_refusal("gpu:0", f"stage 0's {found[1]}")
+    assert exe._devices.workers == {}
+    exe.close()
+
+
+@pytest.mark.skipif(not capabilities.cpu_bf16().ok, reason="this CPU has no bfloat16 matmul to measure")
+def test_the_measurement_is_cheap_and_its_float32_reference_is_right():
+    """On the measured machines Paddle's bfloat16 gets outputs, input and weight gradients right (within
+    bfloat16's precision): the reference is right, and only the bias gradient (or a raising step) is flagged."""
+    start = time.perf_counter()
+    found = bf16_numbers.measure()
+    assert time.perf_counter() - start < 2.0
+    assert {m.batch for m in found} == set(bf16_numbers.BATCHES)
+    for m in found:
+        assert m.right or m.quantity.startswith(("bias gradient", "the step")), m
+        assert m.error is None or m.error < 1e-2 or m.error > 0.5, m  # right is bf16-close, wrong is far off

@@ -5,7 +5,7 @@ from __future__ import annotations
 import staticpipe
 
 from .._paddle import np, paddle
-from ..capabilities import cpu_bf16
+from ..capabilities import WRONG_BF16_ENV, cpu_bf16, wrong_bf16_allowed
 from .harness import FAIL, PASS, SKIP, Context, MiB, timed
 
 
@@ -18,9 +18,13 @@ def check_fp16(ctx: Context):
 
 def check_bf16(ctx: Context):
     """g. bf16 O1 beside fp32: on GPU ``paddle.static.amp.decorate(dtype="bfloat16")``, on CPU (a dry run)
-    ``decorate_bf16``, which needs a CPU with bfloat16 kernels: SKIP where the probe says no."""
+    ``decorate_bf16``, which needs a CPU with bfloat16 kernels that compute right: SKIP where the probe says
+    no, or that Paddle computes it wrong here (unless allowed)."""
     if not ctx.gpus and not cpu_bf16().ok:
         return "CPU", f"skipped: this CPU cannot run bfloat16 through Paddle's oneDNN ({cpu_bf16().reason})", SKIP
+    if not ctx.gpus and not cpu_bf16().right and not wrong_bf16_allowed():
+        return "CPU", (f"skipped: Paddle computes bfloat16 wrong on this CPU ({cpu_bf16().wrong}); "
+                       f"{WRONG_BF16_ENV}=1 runs it all the same"), SKIP
     return _amp_row(ctx, "bf16")
 
 

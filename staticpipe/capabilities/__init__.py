@@ -6,6 +6,11 @@ which caps oneDNN below what the CPU has. One tiny bf16 matmul through Paddle, r
 IR) in a scope of its own, sees all three. Without it, a bf16 stage on an AVX2-only CPU died in its first
 forward with oneDNN's "could not create a primitive descriptor for a matmul primitive".
 
+A kernel that runs is not one that computes right: where the matmul runs, ``bf16_numbers`` trains an fc a
+step in bfloat16 at batches 1, 4 and 32 against float32 (Paddle 2.6.2 and 3.3.1 get an fc's bias gradient
+wrong on Intel and AMD CPUs alike). Three answers: no kernel, runs but is wrong here (with the figures),
+runs and is right. A wrong one is refused as a missing one is, unless ``STATICPIPE_ALLOW_WRONG_BF16=1``.
+
 ``require_bf16`` is what ``minimize`` (before the program changes) and the runtime (before a stage's
 first run, when only the executor's device map says where it runs) call; ``describe`` is the line CI
 prints first, so a red run on another machine can be read.
@@ -19,21 +24,30 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ._paddle import core, np, paddle
-from .ir import free_scope
-from .pir_ir import is_pir_program, pir_mode
+from .._paddle import core, np, paddle
+from ..ir import free_scope
+from ..pir_ir import is_pir_program, pir_mode
+from . import bf16_numbers
 
+WRONG_BF16_ENV = "STATICPIPE_ALLOW_WRONG_BF16"  # 1: train bfloat16 on a CPU whose Paddle computes it wrong
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")  # what decides the CPU's bf16 and GEMM speed
 
 
 @dataclass(frozen=True)
 class Bf16Support:
     """Whether CPU stages can run bfloat16 here; ``reason`` is the probe's error when they cannot;
-    ``backward_crashes``: the forward runs, but Paddle's bfloat16 matmul backward kills the process."""
+    ``backward_crashes``: the forward runs, but Paddle's bfloat16 matmul backward kills the process;
+    ``wrong``: they run, but these quantities come out wrong (``bf16_numbers``, in words; "" when right)."""
 
     ok: bool
     reason: str = ""
     backward_crashes: bool = False
+    wrong: str = ""
+
+    @property
+    def right(self) -> bool:
+        """bfloat16 runs here and computes what float32 does, within bfloat16's precision."""
+        return self.ok and not self.wrong
 
 
 _probed: dict[bool, Bf16Support] = {}  # IR (True: PIR) -> the probe's answer; the kernels differ by IR
@@ -89,7 +103,14 @@ def _probe(pir: bool) -> Bf16Support:
         free_scope(scope)
     if not np.array_equal(np.asarray(got), np.full((2, 2), 4.0, np.float32)):
         return Bf16Support(False, f"a bfloat16 matmul of ones computed {np.asarray(got).tolist()}, not 4s")
-    return _probe_pir_backward() if pir else Bf16Support(True)
+    return _probe_pir_backward() if pir else _probe_numbers()
+
+
+def _probe_numbers() -> Bf16Support:
+    """The matmul runs: do a step's outputs and gradients match float32's (``bf16_numbers``)? Legacy IR only,
+    where ``decorate_bf16`` builds bfloat16 programs; on PIR the backward probe decides."""
+    wrong = [m for m in bf16_numbers.measure() if not m.right]
+    return Bf16Support(True, wrong="; ".join(map(str, wrong)))
 
 
 # One training step of a bfloat16 matmul in a PIR program, on one CPU device, with no staticpipe in it.
@@ -156,12 +177,19 @@ def _is_bf16(dtype: Any) -> bool:
 
 def require_bf16(device: str, place: Any, what: str) -> None:
     """Refuse bfloat16 work ``what`` on pipeline device ``device`` when ``place`` is the CPU and its
-    probe says no: a ``ValueError`` naming the device, what is missing, and what to do instead."""
+    probe says no, or that Paddle computes bfloat16 wrong here (unless ``STATICPIPE_ALLOW_WRONG_BF16=1``): a
+    ``ValueError`` naming the device, what is missing or wrong, and what to do instead."""
     if not isinstance(place, core.CPUPlace) and not (isinstance(place, core.Place) and place.is_cpu_place()):
         return
     support = cpu_bf16()
-    if support.ok:
+    if support.right or (support.ok and wrong_bf16_allowed()):
         return
+    if support.ok:
+        raise ValueError(
+            f"device {device!r} runs on the CPU, where Paddle runs {what} but computes it wrong: on this CPU "
+            f"({cpu_model()}) Paddle {paddle.__version__}'s bfloat16 step is off float32 by more than bfloat16's "
+            f"precision ({bf16_numbers.TOLERANCE:.2%}): {support.wrong}. Train in float32, or put this stage on a "
+            f"GPU, or set {WRONG_BF16_ENV}=1 to train with Paddle's numbers as they are")
     if support.backward_crashes:
         raise ValueError(
             f"device {device!r} runs on the CPU, which cannot train {what} here: Paddle's PIR bfloat16 matmul "
@@ -175,6 +203,11 @@ def require_bf16(device: str, place: Any, what: str) -> None:
         f"), probe: {support.reason!r}. bfloat16 on CPU needs AVX-512 or AMX. Train in float32, or with float16 "
         "loss scaling (paddle.static.amp.decorate(optimizer), O1: the scaling runs, in float32 on CPU), or put "
         "this stage on a GPU")
+
+
+def wrong_bf16_allowed() -> bool:
+    """``STATICPIPE_ALLOW_WRONG_BF16`` set to 1 (or true, yes, on): bfloat16 that runs wrong is trained."""
+    return os.environ.get(WRONG_BF16_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cpu_model() -> str:
@@ -206,8 +239,13 @@ def describe() -> str:
     return (f"CPU: {cpu_model()}, {os.cpu_count()} cores, flags: {flags}"
             f"{f', ONEDNN_MAX_CPU_ISA={cap}' if cap else ''}; Paddle {paddle.__version__} "
             f"({ir}): bfloat16 on CPU "
-            + ("runs" if support.ok else f"does not run ({support.reason})"))
+            + _verdict(support))
 
 
-if __name__ == "__main__":
-    print(describe())
+def _verdict(support: Bf16Support) -> str:
+    if not support.ok:
+        return f"does not run ({support.reason})"
+    if not support.wrong:
+        return "runs"
+    allowed = f", trained as {WRONG_BF16_ENV}=1 allows" if wrong_bf16_allowed() else ""
+    return f"runs but is wrong here ({support.wrong}{allowed})"
