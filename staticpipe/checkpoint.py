@@ -102,7 +102,7 @@ def load(program: framework.Program, path: str, exe: StateHolder) -> dict[str, A
     files = list(meta["files"]) if "files" in meta else [PARAMS, OPT]
     state: dict[str, np.ndarray] = {}
     for name in files:
-        state.update(_read_verified(path, name, meta.get("files", {}).get(name)))
+        state.update(_read_verified(path, name, meta.get("files")))
     params, others = _state_vars(program)
     known = {**params, **others}
     _check_fits(path, state, known, known if OPT in files else params)
@@ -121,13 +121,7 @@ def _read_meta(file: str) -> dict[str, Any]:
     """``meta.json`` checked field by field; ``{"step": 0, "lr_scheduler": None}`` where there is none."""
     if not os.path.exists(file):
         return {"step": 0, "lr_scheduler": None}
-    try:
-        with open(file, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file!r} is corrupt: {type(exc).__name__}: {exc}") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{file!r} is corrupt: it holds a JSON {type(meta).__name__}, not an object")
+    meta = read_json(file)
     problem = _meta_problem(meta)
     if problem:
         raise ValueError(f"{file!r} is not the meta data of a staticpipe checkpoint of format {FORMAT}: {problem}")
@@ -152,18 +146,44 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def _read_verified(path: str, name: str, recorded: dict[str, Any] | None) -> dict[str, np.ndarray]:
-    """The arrays of the file ``name``, after checking it against ``meta.json`` (when there is one)."""
+def _read_verified(path: str, name: str, files: dict[str, Any] | None) -> dict[str, np.ndarray]:
+    """The arrays of the file ``name``, after checking it against ``meta.json``'s ``files`` (when there are)."""
     file = os.path.join(path, name)
     if not os.path.isfile(file):
-        listed = "meta.json lists it" if recorded is not None else "a checkpoint without meta.json has both files"
+        listed = "meta.json lists it" if files is not None else "a checkpoint without meta.json has both files"
         raise FileNotFoundError(f"checkpoint {path!r} is incomplete: {file!r} is missing ({listed})")
-    if recorded is not None:
-        found = pickled_arrays.digest(file)
-        if found != {"sha256": recorded["sha256"], "bytes": recorded["bytes"]}:
-            raise ValueError(f"{file!r} is corrupt: it has {found['bytes']} bytes with sha256 {found['sha256']}, "
-                             f"but meta.json recorded {recorded['bytes']} bytes with sha256 {recorded['sha256']}")
+    if files is not None:
+        check_digest(file, name, files, META)
     return pickled_arrays.read(file)
+
+
+def read_json(file: str) -> dict[str, Any]:
+    """The JSON object ``file`` holds; ``ValueError`` naming it when it is truncated, corrupt or no object
+    (shared with saved plans: ``meta.json`` and ``plan.json``)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file!r} is corrupt: {type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file!r} is corrupt: it holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def check_digest(file: str, name: str, files: dict[str, Any], manifest: str) -> None:
+    """Refuse ``file`` unless it has the size and sha256 that ``manifest`` records for ``name`` in ``files``
+    (``{name: {"sha256": hex, "bytes": size}}``, as checkpoints and saved plans record their files); a file
+    with another listed file's size and sha256 is named as that one (moved or swapped)."""
+    found = pickled_arrays.digest(file)
+    recorded = {n: {"sha256": r["sha256"], "bytes": r["bytes"]} for n, r in files.items()}
+    if found == recorded[name]:
+        return
+    twin = next((n for n, r in recorded.items() if r == found), None)
+    if twin is not None:
+        raise ValueError(f"{file!r} is not the file {manifest} records as {name}: it has the size and sha256 "
+                         f"{manifest} records for {twin} (files moved or swapped)")
+    raise ValueError(f"{file!r} is corrupt: it has {found['bytes']} bytes with sha256 {found['sha256']}, "
+                     f"but {manifest} recorded {recorded[name]['bytes']} bytes with sha256 {recorded[name]['sha256']}")
 
 
 def _check_fits(path: str, state: dict[str, np.ndarray], known: dict[str, tuple], required: dict[str, tuple]

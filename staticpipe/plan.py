@@ -322,6 +322,7 @@ def _frozen(mapping: Mapping[Any, Any]) -> Mapping[Any, Any]:
 
 PLAN_ATTR = "_staticpipe_plan"  # the attribute PipelineOptimizer.minimize sets on main and startup programs
 STARTUP_ATTR = "_staticpipe_is_startup"
+STARTUP_LINK = "_staticpipe_startup"  # on a main program: its startup program (save_plan's default)
 
 
 def plan_of(program: "paddle.static.Program") -> Plan | None:
@@ -345,11 +346,13 @@ def is_startup(program: "paddle.static.Program") -> bool:
 
 def attach_plan(plan: Plan, main: "paddle.static.Program", startup: "paddle.static.Program | None" = None) -> None:
     """Attach ``plan`` to its main program, and to its startup program, whose mark is how
-    ``Executor.run`` knows to initialise the stages rather than train."""
+    ``Executor.run`` knows to initialise the stages rather than train; the main program keeps a link to its
+    startup program (``STARTUP_LINK``)."""
     setattr(main, PLAN_ATTR, plan)
     if startup is not None:
         setattr(startup, PLAN_ATTR, plan)
         setattr(startup, STARTUP_ATTR, True)
+        setattr(main, STARTUP_LINK, startup)  # save_plan(main, path) finds it (it used to need it passed again)
 
 
 __all__ = ["Plan", "Stage", "Section", "Run", "Route", "Exchange", "CutVar", "SectionRef", "plan_of", "require_plan",

@@ -1,4 +1,4 @@
-"""The PIR half of saved plans (``saved_plan.py``): Paddle's own serialization of PIR programs, and what it
+"""The PIR half of saved plans (``saved_plan/``): Paddle's own serialization of PIR programs, and what it
 leaves out written beside it.
 
 A PIR program is written by ``core.serialize_pir_program`` and read by ``core.deserialize_pir_program``,
@@ -20,7 +20,8 @@ their own), for plan.json, and ``read_program`` puts it back:
 - ``lr_name``, the persistable that Paddle's executor and the runtime give the scheduler's learning rate.
 
 Not kept: ``op_callstack`` (the Python stack that built each op). Each record holds a digest of the op
-types, and a program read back with other ops (another Paddle's reader) is refused rather than trained.
+types, and a program read back with other ops (another Paddle's reader, or a file replaced together with its
+size and sha256 in plan.json's manifest) is refused rather than trained.
 """
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def write_programs(directory: str, plan: Plan, main: Any, startup: Any) -> dict[
             "startup": write_program(startup, os.path.join(directory, STARTUP_FILE))}
 
 
-def section_reader(record: dict[str, Any], existing: Callable[[str, str], str],
+def section_reader(record: dict[str, Any], existing: Callable[[str], str],
                    wanted: set[int]) -> Callable[[int, str, dict], tuple]:
     """What ``saved_plan`` reads a section with: (program, runs) of the ``wanted`` stages, (None, ()) of others.
-    ``existing(name, what)``: the path of a file of the saved plan (an error naming it when it is missing)."""
+    ``existing(name)``: the path of a file of the saved plan, verified (``saved_plan.manifest.verified_files``)."""
     def read(stage: int, kind: str, fields_: dict) -> tuple:
         if stage not in wanted:
             return None, ()
@@ -57,16 +58,15 @@ def section_reader(record: dict[str, Any], existing: Callable[[str, str], str],
     return read
 
 
-def read_programs(record: dict[str, Any], existing: Callable[[str, str], str]) -> tuple[Any, Any]:
+def read_programs(record: dict[str, Any], existing: Callable[[str], str]) -> tuple[Any, Any]:
     """The main and startup programs ``write_programs`` wrote."""
-    return (read_program(existing(MAIN_FILE, "the main program"), record["main"]),
-            read_program(existing(STARTUP_FILE, "the startup program"), record["startup"]))
+    return read_program(existing(MAIN_FILE), record["main"]), read_program(existing(STARTUP_FILE), record["startup"])
 
 
 def run_file(stage: int, kind: str, run: int | None = None) -> str:
     """Where a PIR section program lies in a saved plan: ``<kind>.json`` the section's program, and
     ``<kind>.run-<k>.json`` run k's where it is another program (the runs of an optimize section)."""
-    return os.path.join(f"stage-{stage}", f"{kind}{'' if run is None else f'.run-{run}'}{EXT}")
+    return f"stage-{stage}/{kind}{'' if run is None else f'.run-{run}'}{EXT}"  # as the manifest names it
 
 
 def write_section(directory: str, section: Section) -> list[dict[str, Any]]:
@@ -84,19 +84,18 @@ def write_section(directory: str, section: Section) -> list[dict[str, Any]]:
     return runs
 
 
-def read_section(records: list[dict[str, Any]], existing: Callable[[str, str], str], stage: int,
+def read_section(records: list[dict[str, Any]], existing: Callable[[str], str], stage: int,
                  kind: str) -> tuple[Any, tuple[Run, ...]]:
     """(the section's program, its runs) as ``write_section`` wrote them."""
     programs: dict[str, Any] = {}
     runs = []
-    for k, record in enumerate(records):
+    for record in records:
         name = record["file"]
         if name is None:
             runs.append(Run(None, tuple(record["keep"])))
             continue
         if name not in programs:
-            what = f"the stage {stage} {kind} section" + ("" if name == run_file(stage, kind) else f"'s run {k}")
-            programs[name] = read_program(existing(name, what), record["program"])
+            programs[name] = read_program(existing(name), record["program"])
         runs.append(Run(programs[name], tuple(record["keep"])))
     return programs.get(run_file(stage, kind)), tuple(runs)
 
@@ -141,8 +140,9 @@ def read_program(path: str, record: dict[str, Any]) -> Any:
     core.deserialize_pir_program(path, program, -1)
     ops = list(program.global_block().ops)
     if _digest(ops) != record["ops"]:
-        raise ValueError(f"{path!r}: Paddle {paddle.__version__} reads back other ops than were saved, so the plan's "
-                         "names would point at other values; save the plan again with this Paddle")
+        raise ValueError(f"{path!r} holds other ops than plan.json records for it (Paddle {paddle.__version__} reads "
+                         "it back otherwise than it was saved, or the file was replaced with its digest), so the "
+                         "plan's names would point at other values; save the plan again with this Paddle")
 
     def at(position: list[int]) -> Any:
         return ops[position[0]].result(position[1])

@@ -24,8 +24,10 @@ from models import build_gpt, build_mlp
 from pipeline_util import assert_same_training, minimize, train_twins
 from staticpipe._paddle import PADDLE_MAJOR, np, paddle
 from staticpipe.ir import ALLREDUCE_SUM, is_pir_program
+from staticpipe.pickled_arrays import digest
 from staticpipe.pir_ir import FEEDS, HANDED_OVER, VALUES, VIEW
 from staticpipe.plan import OPTIMIZE, SUM, WEIGHT, plan_of
+from staticpipe.saved_plan.manifest import field_digests
 from staticpipe.schedule import Kind
 
 pytestmark = pytest.mark.timeout(300)
@@ -362,15 +364,25 @@ def test_each_process_loads_only_its_stage_and_matches_the_threaded_run(tmp_path
     assert_same_run((list(losses), merged), train(net.main, net.startup, feeds))
 
 
-def edited_copy(directory: str, copy: str, edit) -> str:
-    """A copy of the saved plan ``directory`` whose plan file ``edit`` changed."""
+def edited_copy(directory: str, copy: str, edit, rehash: bool = False) -> str:
+    """A copy of the saved plan ``directory`` whose plan file ``edit`` changed. ``rehash``: the edit is deliberate,
+    its manifest rewritten to match (every field's sha256, every file's size and sha256), so what load_plan
+    checks beyond the manifest is reached."""
     shutil.copytree(directory, copy)
-    with open(os.path.join(copy, "plan.json")) as f:
+    rewrite_plan_json(copy, edit, rehash)
+    return copy
+
+
+def rewrite_plan_json(directory: str, edit, rehash: bool = False) -> None:
+    """``edit`` the plan.json of ``directory`` in place; ``rehash``: see ``edited_copy``."""
+    with open(os.path.join(directory, "plan.json")) as f:
         description = json.load(f)
     edit(description)
-    with open(os.path.join(copy, "plan.json"), "w") as f:
+    if rehash:
+        description["fields"] = field_digests(description)
+        description["files"] = {name: digest(os.path.join(directory, name)) for name in description["files"]}
+    with open(os.path.join(directory, "plan.json"), "w") as f:
         json.dump(description, f)
-    return copy
 
 
 def test_errors_name_what_is_wrong(tmp_path, monkeypatch, program_ir):
@@ -412,19 +424,19 @@ def test_errors_name_what_is_wrong(tmp_path, monkeypatch, program_ir):
         actions = description["plan"]["actions"]
         actions[0] = actions[0].replace(" 0SEND_F0>1", "")
 
-    copy = edited_copy(directory, str(tmp_path / "unsent"), unsent)
+    copy = edited_copy(directory, str(tmp_path / "unsent"), unsent, rehash=True)  # a deliberate edit
     assert message(ValueError, staticpipe.load_plan, copy) == (
         f"{os.path.join(copy, 'plan.json')!r}: the sends and receives of the action lists do not match the plan's "
         "routes")
-    copy = edited_copy(directory, str(tmp_path / "lossless"), lambda d: d["plan"].pop("loss"))
+    copy = edited_copy(directory, str(tmp_path / "lossless"), lambda d: d["plan"].pop("loss"), rehash=True)
     assert message(ValueError, staticpipe.load_plan, copy) == (
         f"{os.path.join(copy, 'plan.json')!r} lacks the plan field 'loss'")
     copy = edited_copy(directory, str(tmp_path / "future"), lambda d: d.update(format=99))
-    reads = "'pir-2'" if program_ir == "pir" else "2"  # the format of this process's IR
+    reads = "'pir-3'" if program_ir == "pir" else "3"  # the format of this process's IR
     assert message(ValueError, staticpipe.load_plan, copy) == (
         f"{os.path.join(copy, 'plan.json')!r} has plan format 99; this staticpipe reads format {reads}")
     scheduler_file = os.path.join(directory, "lr_scheduler.pkl")
-    os.remove(scheduler_file)
+    os.remove(scheduler_file)  # plan.json lists it
     assert message(FileNotFoundError, staticpipe.load_plan, directory) == (
         f"{scheduler_file!r} does not exist: it holds the learning-rate scheduler")
 
@@ -461,6 +473,9 @@ def test_loading_a_saved_plan_runs_no_code(tmp_path, program_ir):
     with open(os.path.join(directory, "lr_scheduler.pkl"), "wb") as f:
         pickle.dump(Evil(), f, protocol=4)
     path = os.path.join(directory, "lr_scheduler.pkl")
+    with pytest.raises(ValueError, match=re.escape(f"{path!r} is corrupt: it has ")):  # not the file saved
+        staticpipe.load_plan(directory)
+    rewrite_plan_json(directory, lambda d: None, rehash=True)  # as if saved so: the unpickler still refuses it
     with pytest.raises(ValueError, match=re.escape(
             f"{path!r} refers to the Python global io.open, which is not one of Paddle's learning-rate schedulers "
             "(paddle.optimizer.lr): saved plans hold only those, so that loading one never runs code")):
@@ -491,13 +506,13 @@ def test_a_plan_of_one_ir_is_refused_by_a_process_of_the_other(tmp_path):
     with pytest.raises(ValueError) as err:
         staticpipe.load_plan(pir)
     assert str(err.value) == (
-        f"{os.path.join(pir, 'plan.json')!r} holds a plan of PIR programs (format 'pir-2', Paddle 3's default IR), "
+        f"{os.path.join(pir, 'plan.json')!r} holds a plan of PIR programs (format 'pir-3', Paddle 3's default IR), "
         "but this process builds legacy-IR programs (legacy-IR mode; load it in PIR mode: Paddle 3's default, "
         "without STATICPIPE_LEGACY_IR=1 or staticpipe.use_legacy_ir(), or inside paddle.pir_utils.IrGuard())")
     with paddle.pir_utils.IrGuard(), pytest.raises(ValueError) as err:
         staticpipe.load_plan(legacy)
     assert str(err.value) == (
-        f"{os.path.join(legacy, 'plan.json')!r} holds a plan of legacy-IR programs (format 2), but this process "
+        f"{os.path.join(legacy, 'plan.json')!r} holds a plan of legacy-IR programs (format 3), but this process "
         "builds PIR programs (Paddle 3's default IR); load it in legacy-IR mode (STATICPIPE_LEGACY_IR=1 or "
         "staticpipe.use_legacy_ir(), see README)")
     with paddle.pir_utils.IrGuard():
@@ -510,11 +525,11 @@ def test_a_plan_of_one_ir_is_refused_by_a_process_of_the_other(tmp_path):
 def test_paddle_2_refuses_a_plan_of_pir_programs(tmp_path):
     """Paddle 2.6 cannot save a PIR plan: the plan file of a legacy one says it holds PIR programs."""
     directory = saved(build(**CASES["mlp-1F1B-lr-scheduler"]), tmp_path)
-    copy = edited_copy(directory, str(tmp_path / "pir"), lambda d: d.update(format="pir-2"))
+    copy = edited_copy(directory, str(tmp_path / "pir"), lambda d: d.update(format="pir-3"))
     with pytest.raises(ValueError) as err:
         staticpipe.load_plan(copy)
     assert str(err.value) == (
-        f"{os.path.join(copy, 'plan.json')!r} holds a plan of PIR programs (format 'pir-2', Paddle 3's default IR), "
+        f"{os.path.join(copy, 'plan.json')!r} holds a plan of PIR programs (format 'pir-3', Paddle 3's default IR), "
         f"but this process builds legacy-IR programs (Paddle {paddle.__version__} has no PIR; load it with Paddle 3)")
 
 
@@ -523,9 +538,11 @@ def test_a_pir_program_read_back_with_other_ops_is_refused(tmp_path):
     """The plan's names point at values by position: a program Paddle reads back otherwise is not trained."""
     with paddle.pir_utils.IrGuard():
         directory = saved(build(**CASES["mlp-1F1B-lr-scheduler"]), tmp_path)
-        copy = edited_copy(directory, str(tmp_path / "other"), lambda d: d["pir"]["main"]["ops"].__setitem__(1, "0"))
+        copy = edited_copy(directory, str(tmp_path / "other"), lambda d: d["pir"]["main"]["ops"].__setitem__(1, "0"),
+                           rehash=True)
         with pytest.raises(ValueError) as err:
             staticpipe.load_plan(copy)
     assert str(err.value) == (
-        f"{os.path.join(copy, 'main.json')!r}: Paddle {paddle.__version__} reads back other ops than were saved, so "
-        "the plan's names would point at other values; save the plan again with this Paddle")
+        f"{os.path.join(copy, 'main.json')!r} holds other ops than plan.json records for it (Paddle "
+        f"{paddle.__version__} reads it back otherwise than it was saved, or the file was replaced with its digest), "
+        "so the plan's names would point at other values; save the plan again with this Paddle")

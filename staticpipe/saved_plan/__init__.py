@@ -2,11 +2,12 @@
 which a process loads and runs its stages without the model code.
 
 A saved plan directory holds:
-- ``plan.json``: the format version, which names the programs' IR (``2``: legacy, ``"pir-2"``: PIR), and
+- ``plan.json``: the format version, which names the programs' IR (``3``: legacy, ``"pir-3"``: PIR), and
   every field of the ``Plan`` (stages, devices, ranks, each section's feeds, keep list and routes, the cut
   variables with their shapes and dtypes, the schedule's name and action lists in text form, data variables
   and their specs, loss, shared parameters, notes, micro-batch size and count), the programs' random seeds
   and whether a scheduler file exists; of PIR programs, also what Paddle's format leaves out (``saved_pir.py``);
+  and its manifest, the size and sha256 of every other file and of each of its own fields (``manifest.py``);
 - ``stage-<s>/<kind>.pdmodel``: each section program as Paddle's serialized ``ProgramDesc`` (protobuf);
   PIR: ``stage-<s>/<kind>.json``, Paddle's PIR format (``saved_pir.py``);
 - ``main.pdmodel``, ``startup.pdmodel`` (PIR: ``.json``): the whole single-device program (its data
@@ -19,6 +20,9 @@ Why one file per section: a rank reads only its own stages' files, so a machine 
 version: a process builds and runs programs of one IR (Paddle 2.6 and Paddle 3's legacy-IR mode legacy ones,
 Paddle 3 by default PIR ones), so a plan of the other IR is refused by name when its plan.json is read,
 before any program is (and a staticpipe older than PIR plans refuses a ``"pir-2"`` as an unknown format).
+
+Why the manifest: nothing is built from a file that is not as ``save_plan`` wrote it, and a refusal names
+the file (and plan.json's field); ``manifest.py`` says what is checked, and why.
 """
 from __future__ import annotations
 
@@ -27,31 +31,24 @@ import json
 import os
 import pickle
 from dataclasses import MISSING, fields
-from functools import partial
 from typing import Any, Callable, Iterable, Mapping
 
-from ._paddle import PADDLE_MAJOR, framework, paddle
-from .atomic import atomic_directory, recover_directory
-from .ir import is_pir_program
-from .memory_model import MemoryModel, StageMemory
-from .pickled_arrays import ALLOWED
-from .pir_ir import pir_mode
-from .placement import launched_world
-from .plan import (OPTIMIZE, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan, plan_of,
-                   require_plan)
-from .rewrite import section_runs
-from .saved_pir import read_programs, section_reader, write_programs
-from .schedule import format_schedule, lower, parse_schedule
-from .schedule.actions import COMM_KINDS, Schedule
+from .._paddle import framework, paddle
+from ..atomic import atomic_directory, recover_directory
+from ..ir import is_pir_program
+from ..memory_model import MemoryModel, StageMemory
+from ..pickled_arrays import ALLOWED
+from ..placement import launched_world
+from ..plan import (OPTIMIZE, STARTUP_LINK, CutVar, Exchange, Plan, Route, Section, SectionRef, Stage, attach_plan,
+                    plan_of, require_plan)
+from ..rewrite import section_runs
+from ..saved_pir import read_programs, section_reader, write_programs
+from ..schedule import format_schedule, lower, parse_schedule
+from ..schedule.actions import COMM_KINDS, Schedule
+from .manifest import (FORMAT_VERSION, MAIN_FILE, PIR_FORMAT, PLAN_FILE, SCHEDULER_FILE, STARTUP_FILE, add_manifest,
+                       check_comm_ops, check_plan, existing, needed_files, read_description, section_file,
+                       verified_files)
 
-FORMAT_VERSION = 2  # 2: exchanges of the optimize sections
-PIR_FORMAT = f"pir-{FORMAT_VERSION}"  # the same plan of PIR programs
-PLAN_FILE, MAIN_FILE, STARTUP_FILE, SCHEDULER_FILE = "plan.json", "main.pdmodel", "startup.pdmodel", "lr_scheduler.pkl"
-
-
-def section_file(stage: int, kind: str) -> str:
-    """Where a section program lies, relative to the saved plan directory."""
-    return os.path.join(f"stage-{stage}", f"{kind}.pdmodel")
 
 
 # --- save -------------------------------------------------------------------------------------------
@@ -59,8 +56,8 @@ def save_plan(program: framework.Program, directory: str,
               startup_program: framework.Program | None = None) -> None:
     """Write the plan of ``program`` (rewritten by ``PipelineOptimizer.minimize``), its section programs,
     the main and startup programs and the learning-rate scheduler to ``directory``, replacing it
-    atomically (as ``staticpipe.save`` does). ``startup_program``: the one given to ``minimize``
-    (default: Paddle's default startup program).
+    atomically (as ``staticpipe.save`` does). ``startup_program``: the one given to ``minimize`` (default: the
+    plan's own, which ``minimize`` and ``load_plan`` link to the main program).
 
     The scheduler (``program.lr_scheduler``) is pickled: its class, constructor arguments and progress
     all matter, and Paddle has no serialized form for it (its ``state_dict`` holds the progress only).
@@ -68,7 +65,8 @@ def save_plan(program: framework.Program, directory: str,
     and numpy scalars, which ``save_plan`` checks before it writes anything.
     """
     plan = require_plan(program, "save_plan")
-    startup = startup_program or paddle.static.default_startup_program()
+    startup = startup_program if startup_program is not None else getattr(program, STARTUP_LINK, None)
+    startup = startup if startup is not None else paddle.static.default_startup_program()
     if plan_of(startup) is not plan:
         raise ValueError("startup_program is not the startup program of this plan: pass the startup program "
                          "given to minimize")
@@ -94,7 +92,8 @@ def save_plan(program: framework.Program, directory: str,
             _write(tmp, STARTUP_FILE, startup.desc.serialize_to_string())
         if scheduler is not None:
             _write(tmp, SCHEDULER_FILE, scheduler)
-        _write(tmp, PLAN_FILE, json.dumps(description, indent=1).encode())
+        add_manifest(description, tmp)
+        _write(tmp, PLAN_FILE, json.dumps(description, indent=1).encode())  # last: the manifest of the others
 
 
 def _pickled_scheduler(program: framework.Program) -> bytes | None:
@@ -172,82 +171,51 @@ def load_plan(directory: str, stages: Iterable[int] | None = None
 
     ``stages``: the stages whose section programs to read; by default every stage, or in a job started
     by ``staticpipe.launch`` the stages of this process's rank. The other stages' files need not exist.
+    Nothing is built unless plan.json and every file read are as saved (the module docstring says what is
+    checked); a refusal names the file, and the field of plan.json.
     """
     paddle.enable_static()
     recover_directory(directory)  # a save_plan killed after moving the previous directory aside
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no saved plan at {directory!r}: the directory does not exist")
-    plan_file = _existing(directory, PLAN_FILE, "the plan written by staticpipe.save_plan")
-    description = _read_description(plan_file)
+    plan_file = existing(directory, PLAN_FILE, "the plan written by staticpipe.save_plan")
+    description = read_description(plan_file)
     # a plan is immutable: the stages to load are found on a plan without programs, then it is built whole
     pir = description["format"] == PIR_FORMAT
-    wanted = set(_stages_to_load(_decode_plan(description["plan"], plan_file, pir), stages, plan_file))
-    read = _read_pir if pir else _read_legacy
-    plan, main, startup = read(directory, description, plan_file, wanted)
+    skeleton = _decode_plan(description["plan"], plan_file, pir)
+    check_plan(skeleton, description["files"], plan_file)
+    wanted = set(_stages_to_load(skeleton, stages, plan_file))
+    file = verified_files(directory, description["files"], needed_files(skeleton, description, wanted), plan_file)
+    if pir:
+        plan = _decode_plan(description["plan"], plan_file, True, section_reader(description["pir"], file, wanted))
+        main, startup = read_programs(description["pir"], file)
+    else:
+        plan = _decode_plan(description["plan"], plan_file, False, _legacy_reader(skeleton, wanted, file))
+        main, startup = _read_program(file(MAIN_FILE)), _read_program(file(STARTUP_FILE))
     main.random_seed = description["random_seeds"]["main"]
     startup.random_seed = description["random_seeds"]["startup"]
     if description["lr_scheduler"]:
-        path = _existing(directory, SCHEDULER_FILE, "the learning-rate scheduler")
-        with open(path, "rb") as f:
+        with open(path := file(SCHEDULER_FILE), "rb") as f:
             main.lr_scheduler = _unpickled_scheduler(f.read(), repr(path))
     attach_plan(plan, main, startup)
+    setattr(main, STARTUP_LINK, startup)
     return main, startup
 
 
-def _read_legacy(directory: str, description: dict[str, Any], plan_file: str, wanted: set[int]) -> tuple:
-    """(plan, main, startup) of a plan of legacy programs; a section's runs made from its program as the
-    rewrite made them."""
-    def section(s: int, kind: str, fields_: dict[str, Any]) -> tuple:
+def _legacy_reader(skeleton: Plan, wanted: set[int], file: Callable[[str], str]) -> SectionReader:
+    """(program, runs) of a section of the ``wanted`` stages of a plan of legacy programs, its communication ops
+    checked against the plan (``skeleton``: the plan without programs); its runs made as the rewrite made them."""
+    def read(s: int, kind: str, fields_: dict[str, Any]) -> tuple:
         if s not in wanted:
             return None, ()
-        program = _read_program(directory, section_file(s, kind), f"the stage {s} {kind} section")
+        program = _read_program(path := file(section_file(s, kind)))
+        check_comm_ops(program, skeleton, skeleton.stages[s].sections[kind], path)
         return program, section_runs(program, kind, fields_["keep"], fields_["comm_ops"])
-
-    return (_decode_plan(description["plan"], plan_file, False, section),
-            _read_program(directory, MAIN_FILE, "the main program"),
-            _read_program(directory, STARTUP_FILE, "the startup program"))
+    return read
 
 
-def _read_pir(directory: str, description: dict[str, Any], plan_file: str, wanted: set[int]) -> tuple:
-    """(plan, main, startup) of a plan of PIR programs (``saved_pir.py``): a section's runs are programs of
-    their own, read as saved."""
-    if "pir" not in description:
-        raise ValueError(f"{plan_file!r} lacks the field 'pir'")
-    existing = partial(_existing, directory)
-    plan = _decode_plan(description["plan"], plan_file, True, section_reader(description["pir"], existing, wanted))
-    return (plan, *read_programs(description["pir"], existing))
-
-
-def _existing(directory: str, name: str, what: str) -> str:
-    path = os.path.join(directory, name)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path!r} does not exist: it holds {what}")
-    return path
-
-
-def _read_description(plan_file: str) -> dict[str, Any]:
-    """plan.json, checked to hold a plan of the programs this process builds (see the module docstring)."""
-    with open(plan_file) as f:
-        description = json.load(f)
-    version, pir = description.get("format"), pir_mode()
-    if version == PIR_FORMAT and not pir:
-        why = (f"Paddle {paddle.__version__} has no PIR; load it with Paddle 3" if PADDLE_MAJOR < 3 else
-               "legacy-IR mode; load it in PIR mode: Paddle 3's default, without STATICPIPE_LEGACY_IR=1 or "
-               "staticpipe.use_legacy_ir(), or inside paddle.pir_utils.IrGuard()")
-        raise ValueError(f"{plan_file!r} holds a plan of PIR programs (format {PIR_FORMAT!r}, Paddle 3's default "
-                         f"IR), but this process builds legacy-IR programs ({why})")
-    if version == FORMAT_VERSION and pir:
-        raise ValueError(f"{plan_file!r} holds a plan of legacy-IR programs (format {FORMAT_VERSION}), but this "
-                         "process builds PIR programs (Paddle 3's default IR); load it in legacy-IR mode "
-                         "(STATICPIPE_LEGACY_IR=1 or staticpipe.use_legacy_ir(), see README)")
-    if version not in (FORMAT_VERSION, PIR_FORMAT):
-        reads = PIR_FORMAT if pir else FORMAT_VERSION
-        raise ValueError(f"{plan_file!r} has plan format {version!r}; this staticpipe reads format {reads!r}")
-    return description
-
-
-def _read_program(directory: str, name: str, what: str) -> framework.Program:
-    with open(_existing(directory, name, what), "rb") as f:
+def _read_program(path: str) -> framework.Program:
+    with open(path, "rb") as f:
         return paddle.static.deserialize_program(f.read())
 
 
