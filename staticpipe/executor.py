@@ -18,7 +18,7 @@ from .pir_ir import test_mode_forward
 from .placement import clone_with_split_points, executor_place
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
-from .runtime import state
+from .runtime import startup_sync, state
 from .runtime.devices import Devices
 from .runtime.errors import non_finite_hint
 from .runtime.step import StepRunner
@@ -86,7 +86,7 @@ class Executor:
         """Run ``program`` once (Paddle's signature).
 
         - a startup program of a pipelined program: initialise once on the host, then give each stage
-          its parameters and state on its own place;
+          its parameters and state on its own place (launched: the first replica's owners' values, broadcast);
         - a pipelined main program: one training step on the global batch ``feed`` (a dict, or Paddle's
           one-element list of it), split into the plan's micro-batches; with no feed, one step of
           ``num_microbatches`` batches from the started loader feeding the program (Paddle's loader
@@ -112,6 +112,7 @@ class Executor:
         plan = plan_of(program)
         if plan is not None and is_startup(program):
             state.run_startup(self._devices, program, plan)
+            startup_sync.broadcast_startup_state(self._devices, plan)  # launched: one state everywhere
             return []
         if plan is None:
             scope = scope if scope is not None else self._plain_scope

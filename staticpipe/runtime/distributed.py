@@ -24,6 +24,7 @@ timeouts in about half the runs; 0 failures in repeated runs with a store per gr
 Data x pipeline parallelism: with ``dp`` replicas of a ``p``-rank pipeline, process ``k * p + r`` runs
 pipeline rank ``r`` of replica ``k``. Messages stay inside a replica; the cross-stage reductions run on
 the replica's pipeline group, the gradient averages on the group of the ranks that hold the same stages.
+The same two groups carry the broadcasts that give every process one initial state (``startup_sync.py``).
 """
 from __future__ import annotations
 
@@ -179,6 +180,56 @@ class DistributedChannel(Channel):
         if self.replicas == 1:
             return value
         return self._sum(value, self._holders, self._dist.ReduceOp.MAX if largest else self._dist.ReduceOp.MIN)
+
+    def pipeline_broadcast(self, message: Message | None, src: int) -> Message:
+        """``message`` of pipeline rank ``src`` of this replica (None on the others) to every rank of the
+        replica's pipeline group; every rank calls it, in the same order."""
+        return self._broadcast(message, self._pipeline_ranks[src], self._pipeline)
+
+    def replica_broadcast(self, message: Message | None) -> Message:
+        """``message`` of the first replica's rank (None on the others) to the ranks that hold the same
+        stages in every replica."""
+        if self.replicas == 1:
+            return message
+        return self._broadcast(message, self.rank % self._pipeline_size, self._holders)
+
+    def agree(self, ok: bool, among: str) -> bool:
+        """Whether every rank ``among`` "pipeline" (this replica's) or "replicas" (this rank's holders
+        group) says ``ok``; every rank of the group calls it."""
+        if among == "replicas" and self.replicas == 1:
+            return ok
+        group = self._pipeline if among == "pipeline" else self._holders
+        return bool(self._sum(np.array([int(ok)], np.int64), group, self._dist.ReduceOp.MIN)[0])
+
+    def _broadcast(self, message: Message | None, src: int, group) -> Message:
+        """A broadcast of a message described as ``send``'s (names, dtypes, shapes, then each tensor as
+        its bytes): a receiver learns every shape from the description, so no rank needs to know the
+        message beforehand, and a receiver holds one tensor at a time besides what it received."""
+        self._check()
+        with self._eager():
+            if self.rank == src:
+                arrays = {n: np.asarray(message[n], order="C") for n in sorted(message)}  # 0-d stays 0-d
+                meta = np.frombuffer(json.dumps([[n, str(a.dtype), list(a.shape)] for n, a in arrays.items()])
+                                     .encode(), dtype=np.uint8)
+            header = self._cast(np.array([len(meta)] if self.rank == src else [0], np.int64), src, group)
+            blob = self._cast(meta if self.rank == src else np.zeros(int(header[0]), np.uint8), src, group)
+            got = {}
+            for name, dtype, shape in json.loads(blob.tobytes().decode()):
+                if self.rank == src:
+                    got[name] = arrays[name]
+                    if arrays[name].nbytes:
+                        self._cast(arrays[name].reshape(-1).view(np.uint8), src, group, back=False)
+                    continue
+                size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                data = self._cast(np.zeros(size, np.uint8), src, group) if size else np.zeros(0, np.uint8)
+                got[name] = data.view(dtype).reshape(shape)
+        return got
+
+    def _cast(self, array: np.ndarray, src: int, group, back: bool = True) -> np.ndarray | None:
+        """``array`` of process ``src`` broadcast over ``group``: what arrived (``back``)."""
+        tensor = paddle.to_tensor(array, place=self._place)
+        self._dist.broadcast(tensor, src=src, group=group)
+        return tensor.numpy() if back else None
 
     def _sum(self, value: np.ndarray, group, op: Any = None) -> np.ndarray:
         """gloo's ring all-reduce (a sum, or ``op``): every member ends with the same bits."""
