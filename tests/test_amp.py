@@ -652,21 +652,3 @@ def test_check_finite_leaves_the_loss_scalers_overflows_to_it_and_still_stops_a_
     assert err.value.op == writer
     exe.close()
 
-
-@needs_cpu_bf16
-def test_the_real_probe_decides_whether_a_bf16_pipeline_on_this_cpu_is_trained(monkeypatch):
-    """This machine's own verdict, unforced (the suite opts in to wrong numbers; here it does not): where
-    Paddle's bfloat16 is right a pipeline builds, where it is wrong (Paddle 2.6.2 and 3.3.1 on the Intel Xeon
-    and AMD EPYC measured) minimize refuses it with the figures, and the opt-in builds it."""
-    from staticpipe import capabilities
-    monkeypatch.delenv(capabilities.WRONG_BF16_ENV)
-    support = capabilities.cpu_bf16()
-    net = build_mlp(num_stages=2, hidden=16, in_dim=8)
-    if support.right:
-        minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=4))
-        return
-    assert "bias gradient" in support.wrong or "reduction" in support.wrong, support.wrong
-    with pytest.raises(ValueError, match=r"where Paddle runs a bfloat16 AMP program .* but computes it wrong"):
-        minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=4))
-    monkeypatch.setenv(capabilities.WRONG_BF16_ENV, "1")
-    minimize(net, paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1)), dict(num_microbatches=4))

@@ -69,17 +69,15 @@ def test_the_probe_sees_onednn_capped_below_bfloat16():
     assert "RuntimeWarning" not in out.stderr, out.stderr[-2000:]
 
 
-def test_the_command_line_runs_as_a_package_main_without_runpy_warning():
+def test_the_command_line_runs_as_a_package_main_without_runpy_warning(monkeypatch):
     """``python -m staticpipe.capabilities`` as .ci/run calls it: staticpipe imports capabilities first, so a
     module run as __main__ drew runpy's RuntimeWarning about sys.modules; the package's __main__ does not."""
-    env = {k: v for k, v in os.environ.items() if k != capabilities.WRONG_BF16_ENV}
+    monkeypatch.delenv(capabilities.WRONG_BF16_ENV)  # the suite's opt-in would show in the line
     out = subprocess.run([sys.executable, "-W", "always", "-m", "staticpipe.capabilities"], capture_output=True,
-                         text=True, timeout=120, env=env)
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "RuntimeWarning" not in out.stderr, out.stderr[-2000:]
-    line = out.stdout.strip().splitlines()[-1]
-    assert line.startswith(f"CPU: {capabilities.cpu_model()}, "), line
-    assert any(f"bfloat16 on CPU {v}" in line for v in ("runs", "does not run (", "runs but is wrong here (")), line
+    assert out.stdout.strip().splitlines()[-1] == capabilities.describe()  # this process's probe, the same IR
 
 
 def test_a_bf16_program_on_a_cpu_without_bf16_is_refused_at_minimize_before_it_changes(no_bf16):
@@ -211,10 +209,10 @@ WRONG = ("the step at batch 1 raised 'could not create a primitive descriptor fo
          "bias gradient [4] at batch 4: 92.9% off float32; bias gradient [32] at batch 32: 130.2% off float32")
 
 
-def wrong_refusal(device: str, what: str) -> str:
+def wrong_refusal(device: str, what: str, wrong: str = WRONG) -> str:
     return (f"device {device!r} runs on the CPU, where Paddle runs {what} but computes it wrong: on this CPU "
             f"({capabilities.cpu_model()}) Paddle {paddle.__version__}'s bfloat16 step is off float32 by more than "
-            f"bfloat16's precision (1.56%): {WRONG}. Train in float32, or put this stage on a GPU, or set "
+            f"bfloat16's precision (1.56%): {wrong}. Train in float32, or put this stage on a GPU, or set "
             "STATICPIPE_ALLOW_WRONG_BF16=1 to train with Paddle's numbers as they are")
 
 
@@ -278,3 +276,35 @@ def test_the_measurement_is_cheap_and_its_float32_reference_is_right():
     for m in found:
         assert m.right or m.quantity.startswith(("bias gradient", "the step")), m
         assert m.error is None or m.error < 1e-2 or m.error > 0.5, m  # right is bf16-close, wrong is far off
+
+
+@pytest.mark.skipif(not capabilities.cpu_bf16().ok, reason="this CPU has no bfloat16 matmul to measure")
+def test_this_machines_own_verdict_decides_whether_a_bf16_pipeline_is_built(monkeypatch):
+    """Unforced (the suite opts in to wrong numbers; here it does not): where Paddle's bfloat16 is right a
+    pipeline builds; where it is wrong (Paddle 2.6.2 and 3.3.1 on the Intel Xeon and AMD EPYC measured: the
+    bias gradient where the batch equals the layer's width) minimize refuses it with the measured figures,
+    and the opt-in builds it."""
+    monkeypatch.delenv(capabilities.WRONG_BF16_ENV)
+    support = capabilities.cpu_bf16()
+    net = build_mlp(num_stages=2, hidden=16, in_dim=8)
+    bf16_sgd = paddle.static.amp.bf16.decorate_bf16(paddle.optimizer.SGD(0.1))
+    if not support.right:
+        assert support.wrong == "; ".join(str(m) for m in bf16_numbers.measure() if not m.right)
+        with pytest.raises(ValueError) as err:
+            minimize(net, bf16_sgd, dict(num_microbatches=4))
+        assert str(err.value) == wrong_refusal(
+            "gpu:0", "a bfloat16 AMP program (its white-list ops cast to bfloat16)", support.wrong)
+        monkeypatch.setenv(capabilities.WRONG_BF16_ENV, "1")
+    minimize(net, bf16_sgd, dict(num_microbatches=4))
+    assert staticpipe.plan_of(net.main) is not None
+
+
+def test_the_selftest_skips_its_bf16_row_where_bfloat16_runs_wrong_unless_allowed(wrong_bf16, monkeypatch):
+    from staticpipe.selftest import amp
+    from staticpipe.selftest.harness import SKIP, Context
+    ctx = Context(cpu=True, quick=True, tf32=False)
+    assert amp.check_bf16(ctx) == ("CPU", f"skipped: Paddle computes bfloat16 wrong on this CPU ({WRONG}); "
+                                          "STATICPIPE_ALLOW_WRONG_BF16=1 runs it all the same", SKIP)
+    monkeypatch.setenv(capabilities.WRONG_BF16_ENV, "1")
+    monkeypatch.setattr(amp, "_amp_row", lambda ctx, low: ("CPU", f"the {low} row", "PASS"))  # allowed: it runs
+    assert amp.check_bf16(ctx) == ("CPU", "the bf16 row", "PASS")
