@@ -54,15 +54,11 @@ ALL_DEVICES = "gpu:all"  # Paddle's guard for ops every stage that needs their o
 
 def op_device(op: framework.Operator) -> str | None:
     """The normalised device an op's ``op_device`` tag names (a legacy op, or a PIR operation, which
-    ``device_guard`` tags itself), or None for an untagged op, for one tagged ``"gpu:all"`` and for a host
-    constant Paddle's own ops tag "cpu" inside any guard (``paddle.arange`` makes its bounds so, with
-    ``force_cpu``): all are stage-free, and go where their inputs and readers put them."""
+    ``device_guard`` tags itself), or None for an untagged op and for one tagged ``"gpu:all"``: both are
+    stage-free, and go where their inputs and readers put them."""
     if not op.has_attr(OP_DEVICE):
         return None
     dev = op.str_attr(OP_DEVICE) if hasattr(op, "str_attr") else op.attr(OP_DEVICE)  # a PIR operation, or legacy
-    if dev == "cpu" and getattr(op, "type", None) == "fill_constant" and op.has_attr("force_cpu") \
-            and op.attr("force_cpu"):
-        return None  # a host constant Paddle tags itself (paddle.arange's bounds), not a stage: where it is read
     return str(parse_device(dev)) if dev and dev.strip().lower() != ALL_DEVICES else None
 
 

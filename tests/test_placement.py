@@ -168,37 +168,3 @@ def test_messages_travel_from_the_ranks_gpu_under_nccl_and_from_host_memory_unde
 
 def test_only_lazily_connecting_groups_are_warmed_up_where_they_are_made():
     assert placement.connects_lazily("NCCL") and not placement.connects_lazily("GLOO")
-
-
-def positions_net(guarded: bool = True):
-    """Token features [B, 4, 3] -> fc on gpu:0; position weights from ``paddle.arange`` on gpu:1 (whose bounds
-    Paddle's legacy IR makes as "cpu"-tagged host constants), a per-token loss."""
-    import contextlib
-
-    from models.network import Network, fresh_names
-
-    def on(device):
-        return device_guard(device) if guarded else contextlib.nullcontext()
-
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    startup.random_seed = 2
-    with paddle.static.program_guard(main, startup), fresh_names():
-        with on("gpu:0"):
-            x = paddle.static.data("x", [None, 4, 3], "float32")
-            h = paddle.static.nn.fc(x, 3, num_flatten_dims=2, activation="tanh")
-        with on("gpu:1"):
-            y = paddle.static.data("y", [None, 4, 1], "int64")
-            weights = paddle.reshape(paddle.cast(paddle.arange(1, 5), "float32"), [1, 4, 1])
-            logits = paddle.static.nn.fc(h, 3, num_flatten_dims=2)
-            loss = paddle.mean(paddle.nn.functional.cross_entropy(logits, y, reduction="none") * weights)
-    return Network(main, startup, [x, y], loss, {"logits": logits}, ["gpu:0", "gpu:1"] if guarded else [])
-
-
-def test_host_constants_paddle_tags_cpu_inside_a_guard_make_no_stage(program_ir):
-    """``paddle.arange`` inside a gpu:k guard: its bounds are Paddle's own "cpu"-tagged constants (legacy IR),
-    which go where they are read, not to a "cpu" stage of their own; training equals one device."""
-    from pipeline_util import assert_same_training, train_twins
-
-    twin = train_twins(positions_net, lambda: paddle.optimizer.SGD(0.3), steps=2, batch_size=8, num_microbatches=2)
-    assert twin.plan.devices == ["gpu:0", "gpu:1"]
-    assert_same_training(twin)
