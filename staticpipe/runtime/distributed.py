@@ -119,8 +119,7 @@ class DistributedChannel(Channel):
             return
         names = sorted(message)
         arrays = [np.array(message[n]) for n in names]
-        meta = json.dumps({"key": repr(key), "tensors": [[n, str(a.dtype), list(a.shape)]
-                                                         for n, a in zip(names, arrays)]}).encode()
+        meta = json.dumps({"key": repr(key), "tensors": _described(names, arrays)}).encode()
         header = np.array([len(meta)], dtype=np.int64)
         outbox = self._outboxes.get(self.stage_ranks[dst_stage])
         if outbox is None:
@@ -209,8 +208,8 @@ class DistributedChannel(Channel):
         with self._eager():
             if self.rank == src:
                 arrays = {n: np.asarray(message[n], order="C") for n in sorted(message)}  # 0-d stays 0-d
-                meta = np.frombuffer(json.dumps([[n, str(a.dtype), list(a.shape)] for n, a in arrays.items()])
-                                     .encode(), dtype=np.uint8)
+                meta = np.frombuffer(json.dumps(_described(list(arrays), list(arrays.values()))).encode(),
+                                     dtype=np.uint8)
             header = self._cast(np.array([len(meta)] if self.rank == src else [0], np.int64), src, group)
             blob = self._cast(meta if self.rank == src else np.zeros(int(header[0]), np.uint8), src, group)
             got = {}
@@ -273,6 +272,11 @@ def _warm_up(dist: Any, group: Any) -> None:
     members (``placement.connects_lazily``: under NCCL it is otherwise made by the first send, in a sender
     thread). Every rank makes its groups in the same order, so the members meet."""
     dist.all_reduce(paddle.zeros([1]), group=group)
+
+
+def _described(names: list[str], arrays: list[np.ndarray]) -> list[list]:
+    """How a message's receiver learns its tensors before their bytes: [name, dtype, shape] of each."""
+    return [[n, str(a.dtype), list(a.shape)] for n, a in zip(names, arrays)]
 
 
 def _new_group(ranks: list[int]):
