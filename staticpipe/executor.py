@@ -18,7 +18,7 @@ from .pir_ir import test_mode_forward
 from .placement import clone_with_split_points, executor_place
 from .plan import FORWARD_ONLY, Plan, attach_plan, is_startup, plan_of, require_plan
 from .rewrite import build_forward_plan
-from .runtime import startup_sync, state
+from .runtime import paddle_io, startup_sync, state
 from .runtime.devices import Devices
 from .runtime.errors import non_finite_hint
 from .runtime.step import StepRunner
@@ -68,6 +68,7 @@ class Executor:
         self._plain = paddle.static.Executor(self.place)
         self._plain_scope = core.Scope()
         self._forward_twins: dict[Plan, framework.Program] = {}  # training plan -> its forward-only twin
+        self._io_plan: Plan | None = None  # the last pipelined training plan: Paddle's save/load calls' (flush)
         self._warned_non_finite = False
         self.trace = trace
 
@@ -96,8 +97,8 @@ class Executor:
           computes it; a value that is none of these -- the square of a mean -- comes back as the list of
           its micro-batches' values; a data variable is the batch fed); ``return_merged=False`` (keyword; the name Paddle's executors gave per-device
           results) gives each as the list of its per-micro-batch values instead (Paddle's pipeline fetches
-          the last micro-batch's: ``values[-1]``); ``scope`` must
-          be None (each device keeps its own);
+          the last micro-batch's: ``values[-1]``); ``scope`` must be None (each device keeps its own);
+        - a program of Paddle's save (load) ops, as ``save_vars`` (``load_vars``) builds: ``runtime/paddle_io.py``;
         - any other program: plain Paddle execution on ``place`` with the state the stages hold (so an
           evaluation clone of a pipelined program sees the trained values), every argument as Paddle's.
         """
@@ -110,6 +111,9 @@ class Executor:
              return_merged: bool) -> list:
         program = program if program is not None else paddle.static.default_main_program()
         plan = plan_of(program)
+        if plan is None and (kind := paddle_io.io_kind(program)):  # Paddle's save_vars / load_vars program
+            return paddle_io.run(kind, self._devices, self._io_plan, self.global_step, self._plain, program, scope)
+        self._io_plan = plan if plan is not None and plan.schedule != FORWARD_ONLY else self._io_plan
         if plan is not None and is_startup(program):
             state.run_startup(self._devices, program, plan)
             startup_sync.broadcast_startup_state(self._devices, plan)  # launched: one state everywhere
@@ -247,6 +251,12 @@ class Executor:
         (the plan is kept on it). ``like``: the training program, whose chunking it follows.
         """
         return evaluate(self, program, dataset, fetch_list, num_microbatches, like)
+
+    def flush(self) -> bool:
+        """Paddle's "flush params to the root scope": every stage's state into ``global_scope()`` of the process
+        that writes (launched: rank 0; every rank calls it); whether it is this one (``runtime/paddle_io.py``)."""
+        with self._open():
+            return paddle_io.publish(self._devices, self._io_plan, self.global_step, paddle.static.global_scope())
 
     # --- what the last steps did ----------------------------------------------------------------------
     def lanes(self, program: framework.Program) -> list[list[str]]:

@@ -40,11 +40,24 @@ class StageMemory:
     kept_per_sample: int
     kept_fixed: int
     peak_inflight: int  # micro-batches whose activations the stage holds at once under the schedule
+    # ZeRO-1: the optimizer state bytes each member of a sharding group holds of ``state_bytes`` (the whole)
+    shard_state_bytes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_state_bytes", tuple(self.shard_state_bytes))  # a saved plan's JSON list
+
+    def held_state_bytes(self, shard: int | None = None) -> int:
+        """Optimizer state that member ``shard`` of a sharding group holds (None: the largest member's)."""
+        if not self.shard_state_bytes:
+            return self.state_bytes
+        unsharded = self.state_bytes - sum(self.shard_state_bytes)
+        return unsharded + (max(self.shard_state_bytes) if shard is None else self.shard_state_bytes[shard])
 
     @property
     def static_bytes(self) -> int:
-        """What the stage holds whatever the micro-batch size: parameters, optimizer state, gradients."""
-        return self.parameter_bytes + self.state_bytes + self.gradient_bytes
+        """What the stage holds whatever the micro-batch size: parameters, optimizer state (sharded: the
+        largest member's), gradients."""
+        return self.parameter_bytes + self.held_state_bytes() + self.gradient_bytes
 
     def kept_bytes(self, micro_batch_size: int) -> int:
         """Activations one micro-batch's forward keeps for its backward."""
@@ -96,8 +109,12 @@ class MemoryModel:
             kept = (f"{human_bytes(st.kept_bytes(micro_batch_size))}/micro-batch x {st.peak_inflight} = "
                     f"{human_bytes(st.activation_peak(micro_batch_size))}" if micro_batch_size else
                     f"{st.kept_per_sample} B/sample (+{st.kept_fixed} B) x {st.peak_inflight}")
-            lines.append(f"    stage {st.stage}: {human_bytes(st.parameter_bytes)} + {human_bytes(st.state_bytes)} + "
+            lines.append(f"    stage {st.stage}: {human_bytes(st.parameter_bytes)} + {human_bytes(st.held_state_bytes())} + "
                          f"{human_bytes(st.gradient_bytes)}, activations {kept}")
+            if st.shard_state_bytes:
+                lines.append(f"      optimizer state per rank of a sharding group: "
+                             f"{', '.join(human_bytes(st.held_state_bytes(j)) for j in range(len(st.shard_state_bytes)))}"
+                             f" (unsharded {human_bytes(st.state_bytes)})")
         if micro_batch_size:
             lines += [f"    device {d.device}: {human_bytes(d.total)} at peak ({human_bytes(d.static_bytes)} + {human_bytes(d.activation_bytes)} "
                       "activations)" for d in self.devices(micro_batch_size)]

@@ -53,19 +53,23 @@ class PipelineOptimizer:
     reduces the batch by: a batch mean's micro-batches are averaged, a batch sum's added (and so are the
     fetched losses); a loss that is neither is refused at minimize. "mean" averages the micro-batches'
     gradients whatever the loss, as Paddle's pipeline does (``staticpipe.fleet`` asks for it).
+    ``sharding_degree``: ZeRO stage 1 -- groups of that many consecutive replicas (it divides ``dp_degree``)
+    share one copy of the optimizer state: each member keeps the moments and master weights of about
+    1/sharding_degree of each stage's parameters, updates those, and broadcasts their new values to the
+    group (``rewrite/sharding.py``). Training is unchanged; each rank's optimizer state shrinks.
     """
 
     def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str | dict = "1F1B",
                  micro_batch_size: int | None = None, recompute: bool | list[int] = False,
                  dp_degree: int = 1, schedule_costs: StageCosts | None = None, replica_batches: str = "split",
-                 loss_reduction: str = "auto"):
+                 loss_reduction: str = "auto", sharding_degree: int = 1):
         if not _is_paddle_optimizer(optimizer):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, or one decorated by Paddle's static AMP "
                              f"(paddle.static.amp.decorate, paddle.static.amp.bf16.decorate_bf16), got "
                              f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         self.inner = optimizer
         self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree,
-                                   replica_batches, loss_reduction)
+                                   replica_batches, loss_reduction, sharding_degree)
         self.plan: Plan | None = None
 
     def _option(name: str) -> property:  # noqa: N805  (a property factory, used in the class body)
@@ -81,6 +85,7 @@ class PipelineOptimizer:
     schedule_costs = _option("schedule_costs")
     replica_batches = _option("replica_batches")
     loss_reduction = _option("loss_reduction")
+    sharding_degree = _option("sharding_degree")
     del _option
 
     def amp_init(self, place: Any = None, scope: Any = None, test_program: Any = None, **kwargs: Any) -> None:

@@ -17,107 +17,11 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .memory_model import MemoryModel
+from .plan_records import (BACKWARD, COLLECTIVE_OP_TYPES, COMM_OP_TYPES, FORWARD, FORWARD_ONLY, INIT, OPTIMIZE,
+                           PER_MICROBATCH, SEND, SUM, WEIGHT, CutVar, Exchange, Route, SectionRef)
 
 if TYPE_CHECKING:
     from ._paddle import paddle
-
-FORWARD, BACKWARD, WEIGHT, OPTIMIZE, INIT = "forward", "backward", "weight", "optimize", "init"
-# Order of a micro-batch's sections through the pipeline: F0 < F1 < ... < B1 < B0, then the weight
-# gradients W (only for schedules that split the backward).
-PER_MICROBATCH = (FORWARD, BACKWARD, WEIGHT)
-FORWARD_ONLY = "forward-only"  # the schedule name of evaluation plans
-COMM_OP_TYPES = ("send_v2", "recv_v2")  # point-to-point ops at the ends of per-micro-batch sections
-# comm ops the optimize section may hold: Paddle 2.x's all-reduce, and Paddle 3.x's (which has no other)
-COLLECTIVE_OP_TYPES = COMM_OP_TYPES + ("c_allreduce_sum", "all_reduce")
-
-
-@dataclass(frozen=True)
-class SectionRef:
-    """Names a per-micro-batch section: ``stage`` and ``kind`` (forward or backward)."""
-
-    stage: int
-    kind: str
-
-    def order(self, num_stages: int) -> int:
-        """Position of this section in one micro-batch's path through the pipeline."""
-        if self.kind == FORWARD:
-            return self.stage
-        if self.kind == BACKWARD:
-            return 2 * num_stages - 1 - self.stage
-        return 3 * num_stages - 1 - self.stage
-
-    def __str__(self) -> str:
-        return f"stage {self.stage} {self.kind}"
-
-
-@dataclass(frozen=True)
-class CutVar:
-    """A variable produced in one section and read in another stage's section.
-
-    ``shape`` is the compiled shape with -1 standing for the micro-batch dimension (dim 0) until the
-    micro-batch size is known; ``dtype`` is a numpy dtype name ("uint16" for bfloat16, as in Paddle, whose
-    tensors take and give bfloat16 values as uint16 arrays).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    batched: bool  # dim 0 is the batch dimension
-
-    def shape_for(self, micro_batch_size: int | None) -> tuple[int, ...]:
-        if self.batched and micro_batch_size is not None:
-            return (micro_batch_size,) + self.shape[1:]
-        return self.shape
-
-    def describe(self, micro_batch_size: int | None = None) -> str:
-        dims = [("mb" if (i == 0 and self.batched and micro_batch_size is None) else str(d))
-                for i, d in enumerate(self.shape_for(micro_batch_size))]
-        return f"{self.name} [{', '.join(dims)}] {'bfloat16' if self.dtype == 'uint16' else self.dtype}"
-
-
-@dataclass(frozen=True)
-class Route:
-    """All cut variables going from one section to another for each micro-batch: one message."""
-
-    index: int
-    src: SectionRef
-    dst: SectionRef
-    vars: tuple[CutVar, ...]
-
-    @property
-    def channel(self) -> str:
-        """Short tag of what travels: "F" activations, "B" gradients, "FB" forward values to a backward."""
-        if self.src.kind == self.dst.kind:
-            return "F" if self.src.kind == FORWARD else "B"
-        return "FB"
-
-
-SEND, SUM = "send", "sum"
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """A once-per-step message of the optimize sections, stated as data as a ``Route`` is per micro-batch.
-
-    ``SEND``: stage ``src`` sends ``vars`` (its names) to stage ``dst``, which stores them as ``recv_as``.
-    ``SUM``: every stage gives its part ``vars[0]`` and stores the sum over all stages as ``recv_as[0]``
-    (a rank adds its own stages' parts in stage order, then the ranks' sums are added in rank order, so
-    every stage holds the same bits). ``why`` says what it is for.
-    """
-
-    index: int
-    kind: str
-    vars: tuple[CutVar, ...]
-    recv_as: tuple[str, ...]
-    why: str
-    src: int = -1
-    dst: int = -1
-
-    def __str__(self) -> str:
-        if self.kind == SUM:
-            return f"every stage: {self.vars[0].describe()} summed into {self.recv_as[0]} ({self.why})"
-        names = ", ".join(v.describe() + ("" if v.name == r else f" as {r}") for v, r in zip(self.vars, self.recv_as))
-        return f"stage {self.src} -> stage {self.dst}: {names} ({self.why})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,9 +90,25 @@ class Stage:
     grad_buffers: tuple[str, ...] = ()  # per-step gradient accumulators (not part of the state)
     recompute: bool = False  # forward activations are recomputed in the backward section
     step_values: tuple[str, ...] = ()  # held once per step for all micro-batches (AMP's parameter copies)
+    # ZeRO-1 (Plan.sharding_degree > 1, rewrite/sharding.py): each shard's optimize section, the shard that
+    # updates each parameter (tied copies: their owner's), and the shard that holds each optimizer state
+    shard_optimize: tuple[Section, ...] = ()
+    param_shards: Mapping[str, int] = field(default_factory=dict)
+    state_shards: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sections", MappingProxyType(dict(self.sections)))
+        object.__setattr__(self, "shard_optimize", tuple(self.shard_optimize))
+        for name in ("param_shards", "state_shards"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    def optimize_section(self, shard: int | None) -> Section:
+        """The optimize section the member ``shard`` of a sharding group runs (None: not sharded)."""
+        return self.sections[OPTIMIZE] if shard is None or not self.shard_optimize else self.shard_optimize[shard]
+
+    def unheld(self, shard: int | None) -> frozenset[str]:
+        """The optimizer state of the other shards, which the member ``shard`` never holds (None: none)."""
+        return frozenset() if shard is None else frozenset(n for n, j in self.state_shards.items() if j != shard)
 
     @property
     def loaded(self) -> bool:
@@ -226,6 +146,7 @@ class Plan:
     # replicas) together: "mean", "sum", "max", "min", or "each" (handed out per micro-batch); rewrite/loss.py
     reductions: Mapping[str, str] = field(default_factory=dict)
     memory: MemoryModel | None = None  # predicted bytes per stage and device (training plans)
+    sharding_degree: int = 1  # ZeRO-1: consecutive replicas that share one copy of the optimizer state
 
     def __post_init__(self) -> None:
         """Every container read-only: the plan is shared by every worker, evaluation and saved copy."""
@@ -280,11 +201,19 @@ class Plan:
                              f"{replicas}; launch {self.dp_degree * pipeline} processes (one per device{replicas})")
         return [s for s in self.stages if s.rank == rank % pipeline]
 
+    def shard_of_process(self, world: tuple[int, int] | None) -> int | None:
+        """Which member of its sharding group the process ``world`` = (rank, size) is (None: not sharded):
+        replica ``rank // devices``, consecutive replicas forming a group."""
+        if self.sharding_degree == 1 or world is None:
+            return None
+        return world[0] // len(self.ranks) % self.sharding_degree
+
     def __str__(self) -> str:
         mbs = self.micro_batch_size
         lines = [f"Plan: {self.num_stages} stages, {self.num_microbatches} micro-batches"
                  f"{f' of {mbs}' if mbs else ''}, schedule {self.schedule}, loss {self.loss}"
-                 f"{f', {self.dp_degree} data-parallel replicas' if self.dp_degree > 1 else ''}"]
+                 f"{f', {self.dp_degree} data-parallel replicas' if self.dp_degree > 1 else ''}"
+                 f"{f' (optimizer state sharded over groups of {self.sharding_degree})' if self.sharding_degree > 1 else ''}"]
         for st in self.stages:
             counts = ", ".join(f"{k} {sec.num_compute_ops} ops" for k, sec in st.sections.items()
                                if k != INIT) if st.loaded else "sections not loaded in this process"

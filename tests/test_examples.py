@@ -26,6 +26,7 @@ EXAMPLES = {  # script (a case after a space) -> (small arguments, a line its la
                           r"^loss [\d.]+ -> [\d.]+; last step's busy time per stage: "),
     "auto_plan.py": (["--steps", "2", "--cap-mib", "6", "--time-steps", "1", "--devices", "2"],  # predicted == measured
                      r"^activation peak per device, predicted / measured: gpu:0 (\S+ \S+) / \1, gpu:1 (\S+ \S+) / \2$"),
+    "pretrain_gpt_fleet.py": (["--steps", "3"], r"^trained 3 steps; last loss [\d.]+$"),
     "run_saved_plan.py": (["--steps", "3", "--dir", "{tmp}/plan", "--width", "32"],
                           r"^trained 3 steps from .+/plan: loss [\d.]+ -> [\d.]+$"),
 }

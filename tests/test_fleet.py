@@ -148,10 +148,10 @@ def refusal(configure, devices=("gpu:0", "gpu:1"), optimizer=lambda: paddle.opti
 
 
 def test_what_staticpipe_does_not_implement_is_refused_by_name():
-    assert refusal(lambda s: setattr(s, "sharding", True)) == (  # Paddle's default sharding_degree is 8
-        "strategy.sharding_configs['sharding_degree'] = 8 (strategy.sharding = True): sharding_degree > 1 is not "
-        "supported yet; set it to 1 (sharding_configs' pp_degree and dp_degree then give the pipeline's devices and "
-        "its replicas)")
+    assert refusal(lambda s: [setattr(s, "sharding", True), setattr(s, "sharding_configs", {"stage": 2})]) == (
+        "strategy.sharding_configs['stage'] = 2 (strategy.sharding = True): staticpipe shards the optimizer state "
+        "only (ZeRO stage 1: sharding_configs['stage'] = 1); gradients and parameters (stages 2 and 3) are not "
+        "sharded; set it to 1")
     assert refusal(lambda s: setattr(s, "pipeline_configs", {"accumulate_steps": 2, "microbatch": 2})) == (
         "strategy.pipeline_configs: unknown key 'microbatch'; its keys are ['accumulate_steps', "
         "'enable_partial_send_recv', 'micro_batch_size', 'p2p_cache_shape', 'schedule_mode']")
@@ -324,13 +324,10 @@ def test_a_feature_on_where_it_changes_nothing_trains_like_one_device(case, prog
 ADAM = lambda: paddle.optimizer.Adam(0.01)  # noqa: E731
 TWO_REPLICAS = {"hybrid_configs": {"dp_degree": 2}}
 REFUSED = {  # a feature on where it changes what training computes: (settings, optimizer, the message)
-    "sharding-degree-2": (dict(sharding=True, sharding_configs={"sharding_degree": 2}), SGD,
-                          "strategy.sharding_configs['sharding_degree'] = 2 (strategy.sharding = True): "
-                          "sharding_degree > 1 is not supported yet; set it to 1 (sharding_configs' pp_degree and "
-                          "dp_degree then give the pipeline's devices and its replicas)"),
-    "hybrid-sharding-degree-2": (dict(hybrid_configs={"sharding_degree": 2}), SGD,
-                                 "strategy.hybrid_configs['sharding_degree'] = 2: sharding_degree > 1 is not "
-                                 "supported yet; set it to 1"),
+    "sharding-stage-3": (dict(sharding=True, sharding_configs={"sharding_degree": 2, "stage": 3}), SGD,
+                         "strategy.sharding_configs['stage'] = 3 (strategy.sharding = True): staticpipe shards the "
+                         "optimizer state only (ZeRO stage 1: sharding_configs['stage'] = 1); gradients and "
+                         "parameters (stages 2 and 3) are not sharded; set it to 1"),
     "sharding-mp-degree": (dict(sharding=True, sharding_configs={"sharding_degree": 1, "mp_degree": 2}), SGD,
                            "strategy.sharding_configs['mp_degree'] = 2 (strategy.sharding = True): staticpipe runs "
                            "pipeline and data parallelism only (pp_degree, dp_degree); set it to 1"),
@@ -342,11 +339,6 @@ REFUSED = {  # a feature on where it changes what training computes: (settings, 
     "sharding-offload": (dict(sharding=True, sharding_configs={"sharding_degree": 1, "optimize_offload": True}),
                          SGD, "strategy.sharding_configs['optimize_offload'] = True (strategy.sharding = True): "
                               "staticpipe does not offload optimizer states to host memory; unset it"),
-    "sharding-dp-as-optimizer-sharding": (
-        dict(sharding=True, sharding_configs={"sharding_degree": 1, "pp_degree": 2, "dp_degree": 2,
-                                              "_dp_as_optimizer_sharding": True}), SGD,
-        "strategy.sharding_configs['_dp_as_optimizer_sharding'] = True (strategy.sharding = True): sharding the "
-        "optimizer states over the 2 replicas is not supported yet; unset it"),
     "sharding-pp-degree": (dict(sharding=True, sharding_configs={"sharding_degree": 1, "pp_degree": 4}), SGD,
                            "strategy.sharding_configs['pp_degree'] = 4, but the program's device_guard tags name 2 "
                            "devices ['gpu:0', 'gpu:1']"),
@@ -417,3 +409,29 @@ def test_one_stage_ignores_fleets_default_micro_batch_size_and_fetches_per_micro
     [again] = exe.run(main, feed=batch, fetch_list=[loss], return_merged=False)
     np.testing.assert_allclose(again, per_micro_batch, rtol=1e-6)
     exe.close()
+
+
+@pytest.mark.parametrize("settings, replicas, shards", [
+    (dict(sharding=True, sharding_configs={"sharding_degree": 2, "pp_degree": 2, "dp_degree": 2}), 4, 2),
+    (dict(sharding=True, sharding_configs={"sharding_degree": 4, "pp_degree": 2}), 4, 4),  # dp_degree 1
+    (dict(hybrid_configs={"sharding_degree": 2, "dp_degree": 3, "pp_degree": 2}), 6, 2),
+    (dict(sharding=True, sharding_configs={"sharding_degree": 1, "pp_degree": 2, "dp_degree": 2,
+                                           "_dp_as_optimizer_sharding": True}), 2, 2),
+    (dict(sharding=True), 8, 8),  # Paddle's defaults: sharding_degree 8, dp_degree 1
+], ids=["sharding2-dp2", "sharding4", "hybrid-sharding2-dp3", "dp-as-optimizer-sharding", "defaults"])
+def test_fleet_sharding_configs_give_the_replicas_and_the_sharding_groups(settings, replicas, shards):
+    """Paddle's static sharding: processes = pp x dp x sharding_degree, every sharding member a replica of its
+    own data; the plan runs dp x sharding_degree replicas in groups of sharding_degree (tests/test_sharding.py
+    trains them launched)."""
+    main, startup, loss = small_program(["gpu:0", "gpu:1"])
+    fleet.init(is_collective=True)
+    strategy = fleet.DistributedStrategy()
+    strategy.pipeline = True
+    strategy.pipeline_configs = {"accumulate_steps": 2, "micro_batch_size": 4}
+    for key, value in settings.items():
+        setattr(strategy, key, value)
+    with paddle.static.program_guard(main, startup):
+        fleet.distributed_optimizer(paddle.optimizer.Adam(0.01), strategy).minimize(loss)
+    plan = staticpipe.plan_of(main)
+    assert (plan.dp_degree, plan.sharding_degree, plan.replica_batches) == (replicas, shards, "own")
+    assert all(len(st.shard_optimize) == shards for st in plan.stages)

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "staticpipe"
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
     {"_paddle", "legacy_ir", "gc_paused", "process_switch", "linear_scans", "op_callstacks"},
-    {"ir", "pir_ir", "pir_view", "placement", "plan", "memory_model", "capabilities"},
+    {"ir", "pir_ir", "pir_view", "placement", "plan", "plan_records", "memory_model", "capabilities"},
     {"schedule"},
     {"io", "trace"},
     {"rewrite"},

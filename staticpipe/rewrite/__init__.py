@@ -62,7 +62,8 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
     seed = (1, m) if reduction == MEAN else (options.dp_degree, 1)
     with contextlib.nullcontext(()) if isinstance(program, PirView) else as_activations(program) as outliving:
         stages, routes, exchanges, data_vars, producers, replicated = build_sections(
-            program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split, seed)
+            program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split, seed,
+            options.sharding_degree)
     compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
                                                               costs)
     if custom is not None:  # first as written, so that an error counts the steps the user wrote
@@ -74,7 +75,8 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
                 producers=producers, micro_batch_size=mbs, shared=dict(assignment.shared),
                 replicated=replicated, exchanges=tuple(exchanges), dp_degree=options.dp_degree,
                 replica_batches=options.replica_batches, outliving=tuple(outliving), loss_reduction=reduction,
-                reductions=_reductions(program, assignment), memory=memory_model(stages, actions, ranks))
+                reductions=_reductions(program, assignment), memory=memory_model(stages, actions, ranks),
+                sharding_degree=options.sharding_degree)
 
 
 @gc_paused()

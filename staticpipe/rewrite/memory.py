@@ -52,4 +52,6 @@ def _stage(stage: Stage, peak_inflight: int) -> StageMemory:
                         | set(stage.step_values)))[1]
     kept = size(stage.sections[FORWARD].keep) if FORWARD in stage.sections else (0, 0)
     # gradients: the step's accumulator and the per-micro-batch buffer kept beside it (rewrite/programs.py)
-    return StageMemory(stage.index, params, state, 2 * grads, kept[0], kept[1], peak_inflight)
+    shards = tuple(size(n for n, j in stage.state_shards.items() if j == shard)[1]
+                   for shard in range(len(stage.shard_optimize)))
+    return StageMemory(stage.index, params, state, 2 * grads, kept[0], kept[1], peak_inflight, shards)

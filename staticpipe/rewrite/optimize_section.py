@@ -128,6 +128,8 @@ def optimize_section(block: framework.Block, stage: int, device: str, ops: list[
     for param, readers in sorted(assignment.shared.items()):
         owner = assignment.param_stage[param]
         if owner == stage:
+            if not dst.has_var(param):  # a ZeRO-1 shard that does not update it sends the value it holds
+                declare_var(dst, block._var_recursive(param))
             for peer in readers:
                 if peer != stage:
                     ex = exchanges.value[(param, peer)]

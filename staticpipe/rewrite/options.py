@@ -36,6 +36,7 @@ class PlanOptions:
     dp_degree: int = 1
     replica_batches: str = "split"
     loss_reduction: str = "auto"
+    sharding_degree: int = 1
 
     def __post_init__(self) -> None:
         check_microbatches(self.num_microbatches)
@@ -47,6 +48,11 @@ class PlanOptions:
             raise ValueError(f"micro_batch_size must be a positive integer or None, got {self.micro_batch_size!r}")
         if not isinstance(self.dp_degree, int) or isinstance(self.dp_degree, bool) or self.dp_degree < 1:
             raise ValueError(f"dp_degree must be an integer >= 1, got {self.dp_degree!r}")
+        if not isinstance(self.sharding_degree, int) or isinstance(self.sharding_degree, bool) or \
+                self.sharding_degree < 1 or self.dp_degree % self.sharding_degree:
+            raise ValueError(f"sharding_degree must be an integer >= 1 that divides dp_degree ({self.dp_degree}): "
+                             f"groups of that many replicas share one copy of the optimizer state; got "
+                             f"{self.sharding_degree!r}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {self.loss_reduction!r}")
         if self.replica_batches not in REPLICA_BATCHES:

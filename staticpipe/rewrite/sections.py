@@ -24,6 +24,7 @@ from ..schedule import KINDS
 from .optimize import LOSS_SCALING_OPS, Reduction, StageSlice, place_optimize_ops, shared_partials
 from . import pir_programs
 from .optimize_section import Exchanges, init_section, optimize_section
+from .sharding import shard_stages
 from .programs import (MERGED_SUFFIX, append_cast, append_comm_op, append_tagged_op, copy_ops, cut_var, declare_merged,
                        declare_var, section_runs)
 from .stages import BWD, FWD, OPT, StageAssignment, grad_base, op_label
@@ -127,7 +128,7 @@ def param_grads(block: framework.Block, assignment: StageAssignment) -> dict[str
 
 def build_sections(program: framework.Program, assignment: StageAssignment, stage_ranks: list[int],
                    num_microbatches: int, micro_batch_size: int | None, recompute: frozenset[int] = frozenset(),
-                   split_backward: bool = False, seed: tuple[int, int] | None = None
+                   split_backward: bool = False, seed: tuple[int, int] | None = None, shards: int = 1
                    ) -> tuple[list[Stage], list[Route], list[Exchange], dict[str, tuple[int, ...]],
                               dict[str, SectionRef], dict[int, str]]:
     """Return (stages, routes, exchanges, data variable -> stages that read it, per-micro-batch var ->
@@ -137,6 +138,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     starts with a second run of the forward ops. ``split_backward`` gives every stage a third
     per-micro-batch section, weight, with the parameter-gradient half of the backward. ``seed``: (numerator,
     denominator) the loss-gradient seed is scaled by (``rewrite/loss.py``); default 1 / num_microbatches.
+    ``shards`` > 1: each stage also gets an optimize section per shard of its optimizer state (``sharding.py``).
     """
     seed = seed or (1, num_microbatches)
     block = program.global_block()
@@ -226,6 +228,7 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
     checks = sorted({item.op for ops in placement.ops.values() for item in ops
                      if isinstance(item, StageSlice) and block.ops[item.op].type == LOSS_SCALING_OPS[0]})
     exchanges = Exchanges(block, partials, [reductions[i] for i in sorted(reductions)], assignment, checks)
+    sharded = shard_stages(block, assignment, placement.ops, shards) if shards > 1 else None
     stages = []
     for s, device in enumerate(assignment.devices):
         # gradients accumulated here: owned parameters' gradients and partials of shared parameters
@@ -250,21 +253,19 @@ def build_sections(program: framework.Program, assignment: StageAssignment, stag
                 sections[kind] = _per_microbatch_section(
                     block, secs[ref], routes, device, micro_batch_size, merge, seed, drop_in,
                     drop_out[ref], recompute=fwd.ops if s in recompute and kind == BACKWARD else [], held=held)
-        if pir:
-            sections[OPTIMIZE] = pir_programs.optimize_section(block, s, placement.ops[s], grads, merge, partials,
-                                                               assignment, exchanges)
-            sections[INIT] = pir_programs.init_section(block, s, merge)
-        else:
-            sections[OPTIMIZE] = optimize_section(block, s, device, placement.ops[s], grads, merge, partials,
-                                                  assignment, exchanges)
-            sections[INIT] = init_section(block, s, device, merge)
+        built = [pir_programs.optimize_section(block, s, ops, grads, merge, partials, assignment, exchanges) if pir
+                 else optimize_section(block, s, device, ops, grads, merge, partials, assignment, exchanges)
+                 for ops in [placement.ops[s], *(sharded[s].ops if sharded else ())]]
+        sections[OPTIMIZE] = built[0]
+        sections[INIT] = pir_programs.init_section(block, s, merge) if pir else init_section(block, s, device, merge)
         names = [(name, persistable) for sec in sections.values() for p_ in sec.programs
                  for name, persistable in declared(p_)]
         stages.append(Stage(
             index=s, device=device, rank=stage_ranks[s], sections=sections, recompute=s in recompute,
             parameters=tuple(n for n, st in assignment.param_stage.items() if st == s),
             grad_buffers=tuple(g + MERGED_SUFFIX for g in merge),
-            step_values=tuple(sorted(held & {name for name, _ in names})),
+            step_values=tuple(sorted(held & {name for name, _ in names})), shard_optimize=tuple(built[1:]),
+            param_shards=sharded[s].params if sharded else {}, state_shards=sharded[s].state if sharded else {},
             persistables=tuple(sorted({name for name, persistable in names
                                        if persistable and name not in merge and name not in held}))))
     return (stages, routes, exchanges.records, {k: tuple(v) for k, v in data_vars.items()}, producer,

@@ -54,6 +54,12 @@ class Channel(ABC):
         at its next poll."""
 
     replicas = 1  # data-parallel copies of the pipeline this channel's job runs
+    sharding, shard = 1, None  # ZeRO-1: replicas per sharding group, and this rank's place in its group
+
+    def shard_exchange(self, mine: Message) -> Message:
+        """Every member's ``mine`` to every member of this rank's sharding group, merged (each member
+        calls it, in the same order); without sharding, ``mine``."""
+        return mine
 
     def replica_mean(self, value: np.ndarray) -> np.ndarray:
         """The mean of ``value`` over the data-parallel replicas of this rank's stages, the same bits on

@@ -156,11 +156,12 @@ class Devices:
             return self._in_process
         # one channel per layout, not per plan: an evaluation plan on the same stages reuses the training
         # plan's process groups instead of making (and rendezvousing) them all again
-        layout = (tuple(s.rank for s in plan.stages), tuple(plan.ranks))
+        layout = (tuple(s.rank for s in plan.stages), tuple(plan.ranks), plan.sharding_degree)
         channel = self._channels.get(layout)
         if channel is None:
             pipeline = len(plan.ranks)
-            channel = self._channels[layout] = DistributedChannel([s.rank for s in plan.stages], pipeline)
+            channel = self._channels[layout] = DistributedChannel([s.rank for s in plan.stages], pipeline,
+                                                                  plan.sharding_degree)
         channel.connect(plan.rank_pairs())  # a no-op once the layout's groups cover this plan's messages
         return channel
 

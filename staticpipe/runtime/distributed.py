@@ -54,7 +54,7 @@ class DistributedChannel(Channel):
     host memory with gloo (``placement.transfer_device``).
     """
 
-    def __init__(self, stage_ranks: list[int], pipeline_size: int):
+    def __init__(self, stage_ranks: list[int], pipeline_size: int, sharding: int = 1):
         import paddle.distributed as dist
         self._dist = dist
         self._place = place_of(transfer_device(dist.get_backend(), process_gpu()))
@@ -69,7 +69,13 @@ class DistributedChannel(Channel):
         with self._eager():  # every rank creates every group, in the same order
             pipelines = [_new_group(ranks) for ranks in replicas]
             holders = [_new_group(list(range(r, size, pipeline_size))) for r in range(pipeline_size)]
+            # ZeRO-1: the holders of each pipeline rank in groups of ``sharding`` consecutive replicas
+            shards = {(g, r): _new_group([(g * sharding + j) * pipeline_size + r for j in range(sharding)])
+                      for g in range(self.replicas // sharding) for r in range(pipeline_size)} if sharding > 1 else {}
         self._pipeline, self._holders = pipelines[replica], holders[pipeline_rank]
+        self.sharding, self.shard = sharding, replica % sharding if sharding > 1 else None
+        self._shard_group = shards.get((replica // sharding, pipeline_rank))
+        self._shard_ranks = [(replica // sharding * sharding + j) * pipeline_size + pipeline_rank for j in range(sharding)]
         self._pipeline_ranks = replicas[replica]
         self._pipeline_size = pipeline_size
         self._groups: dict[tuple[int, int], object] = {}  # (sender, receiver) process ranks -> their group
@@ -191,6 +197,14 @@ class DistributedChannel(Channel):
         if self.replicas == 1:
             return message
         return self._broadcast(message, self.rank % self._pipeline_size, self._holders)
+
+    def shard_exchange(self, mine: Message) -> Message:
+        if self.sharding == 1:
+            return mine
+        got: Message = {}
+        for j, src in enumerate(self._shard_ranks):  # each member's message in turn, from member 0 on
+            got.update(self._broadcast(mine if j == self.shard else None, src, self._shard_group))
+        return got
 
     def agree(self, ok: bool, among: str) -> bool:
         """Whether every rank ``among`` "pipeline" (this replica's) or "replicas" (this rank's holders

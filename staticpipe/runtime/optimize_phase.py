@@ -23,11 +23,12 @@ from typing import Any, Generator, Protocol
 
 from .._paddle import core, np
 from ..ir import tensor_of
-from ..plan import OPTIMIZE, SUM, Exchange, Run
+from ..plan import SUM, Exchange, Run
 from ..schedule.actions import OPT
 from .channel import Channel
 from .errors import failing_as
 from .jobs import StepJob
+from .sharding import gather_parameters
 
 
 class DeviceWorker(Protocol):
@@ -88,6 +89,8 @@ def run_optimizers(worker: DeviceWorker, job: StepJob, stages: tuple[int, ...]) 
                                    f"{ {s: str(ex) for s, (ex, _) in waits.items()} }")
         ex = waits[receiver][0]
         resume(receiver, job.channel.recv(("opt", ex.index), ex.src))
+    with failing_as(stages[0], worker.device, OPT(stages[0]), UPDATE_FAILED):  # ZeRO-1: each shard's new values
+        gather_parameters(worker.scope, worker.place, job.channel, plan, stages)
 
 
 def _walk(worker: DeviceWorker, job: StepJob, stage: int, sent: set[int]) -> Generator[Waiting, Any, None]:
@@ -99,7 +102,7 @@ def _walk(worker: DeviceWorker, job: StepJob, stage: int, sent: set[int]) -> Gen
     values of the same names (a clip's norm, AMP's overflow flag) and run in turns, so in one scope the
     first to finish would free what the other still reads. Persistables resolve to the device's scope."""
     plan = job.plan
-    section = plan.stages[stage].sections[OPTIMIZE]
+    section = plan.stages[stage].optimize_section(job.channel.shard)
     if job.channel.replicas > 1:
         _average_replicas(worker, job.channel, plan.stages[stage].grad_buffers)
     scope = worker.borrow_scope()

@@ -18,7 +18,8 @@ A message says its names, dtypes and shapes: a receiver that holds one of them i
 shape, lacks one or holds one the message lacks has an error naming the variable, and every rank of
 the group raises together (an all-reduce of a flag), so none waits for the others. Nothing is written
 before the group agrees. Only ``Executor.run(startup)`` does this: state loaded afterwards (a
-checkpoint, ``set_state_dict``) is never overwritten.
+checkpoint, ``set_state_dict``) is never overwritten. With ZeRO-1 each rank then erases the other shards'
+optimizer state (``runtime/sharding.py``).
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ def broadcast_startup_state(devices: Devices, plan: Plan) -> None:
                 process)
         if not first:
             _store(devices, plan, got)
+    shard = plan.shard_of_process(devices.world)  # ZeRO-1: from here on, each rank holds its own shard's state
+    for stage in devices.local_stages(plan) if shard is not None else ():
+        devices.worker(stage.device).scope.erase(sorted(stage.unheld(shard)))
 
 
 def _values(devices: Devices, plan: Plan, names: list[str]) -> dict[str, np.ndarray]:

@@ -64,8 +64,9 @@ def set_learning_rate(devices: Devices, program: framework.Program, plan: Plan) 
     for s in plan.stage_of_var(name):
         worker = devices.worker(plan.stages[s].device)
         tensor = worker.scope.var(name).get_tensor()
-        dtype = np_dtype(tensor._dtype()) if tensor._is_initialized() else "float32"
-        tensor.set(np.array([scheduler()], dtype=dtype), worker.place)
+        held = tensor._is_initialized()
+        dtype, shape = (np_dtype(tensor._dtype()), tuple(tensor.shape())) if held else ("float32", ())
+        tensor.set(np.full(shape, scheduler(), dtype=dtype), worker.place)  # Paddle's 0-D learning rate stays 0-D
 
 
 def state_dict(devices: Devices, plan: Plan) -> dict[str, np.ndarray]:
@@ -89,6 +90,10 @@ def gathered_state_dict(devices: Devices, plan: Plan, step: int) -> dict[str, np
         return state
     rank, pipeline = devices.world[0], len(plan.ranks)
     channel, key = devices.channel_for(plan), ("state", step)
+    if plan.sharding_degree > 1 and rank < pipeline * plan.sharding_degree:  # ZeRO-1: the first group's shards
+        pooled = channel.shard_exchange({n: v for n, v in state.items()
+                                         if any(n in st.state_shards for st in devices.local_stages(plan))})
+        state.update(pooled if rank < pipeline else {})
     if rank == 0:
         for peer in range(1, pipeline):
             state.update(channel.recv(key, next(s.index for s in plan.stages if s.rank == peer)))
@@ -108,16 +113,16 @@ def set_state_dict(devices: Devices, plan: Plan, state: dict[str, Any], strict: 
         raise KeyError(f"set_state_dict: no stage holds {unknown}")
     stages = devices.local_stages(plan)
     for stage in stages:
-        missing = uninitialised(devices, stage)
+        missing = uninitialised(devices, plan, stage)
         if missing:
             raise ValueError(f"set_state_dict before the startup program: stage {stage.index} ({stage.device}) has "
                              f"no value for {missing[0]!r} yet, and exe.run(startup) would overwrite what is set "
                              "now; run the startup program first")
     state = {name: _as_stored(devices, plan, name, value) for name, value in state.items()}
-    local = {st.index for st in stages}
+    local, shard = {st.index for st in stages}, plan.shard_of_process(devices.world)
     for name, value in state.items():
         for s in plan.stage_of_var(name):
-            if s in local:
+            if s in local and name not in plan.stages[s].unheld(shard):  # ZeRO-1: another shard's state
                 worker = devices.worker(plan.stages[s].device)
                 worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
 
@@ -135,6 +140,7 @@ def _as_stored(devices: Devices, plan: Plan, name: str, value: Any) -> np.ndarra
         if value.shape != shape and not (value.size == 1 and int(np.prod(shape)) == 1):
             raise ValueError(f"set_state_dict: '{name}' has shape {list(shape)} in the program, but the value "
                              f"given has shape {list(value.shape)}")
+        value = value.reshape(shape)  # a scalar saved as [1] (a learning rate before 0-D) is held as the program's
         if value.dtype != have:
             cast = value.astype(have)
             if value.dtype.kind != have.kind or not np.array_equal(cast, value):
@@ -144,10 +150,11 @@ def _as_stored(devices: Devices, plan: Plan, name: str, value: Any) -> np.ndarra
     return value
 
 
-def uninitialised(devices: Devices, stage: Stage) -> list[str]:
-    """The persistables of ``stage`` (its state, not the gradient buffers) its device's scope has no value for."""
-    scope = devices.worker(stage.device).scope
-    return [n for n in stage.persistables if n not in stage.grad_buffers and not (
+def uninitialised(devices: Devices, plan: Plan, stage: Stage) -> list[str]:
+    """The persistables of ``stage`` (its state, not the gradient buffers, not other shards' optimizer state)
+    its device's scope has no value for."""
+    scope, unheld = devices.worker(stage.device).scope, stage.unheld(plan.shard_of_process(devices.world))
+    return [n for n in stage.persistables if n not in stage.grad_buffers and n not in unheld and not (
         (var := scope.find_var(n)) is not None and var.get_tensor()._is_initialized())]
 
 

@@ -124,7 +124,7 @@ class StepRunner:
         if programs is None:
             local = self.devices.runnable_stages(plan)
             for stage in local:
-                missing = state.uninitialised(self.devices, stage)
+                missing = state.uninitialised(self.devices, plan, stage)
                 if missing:
                     raise ValueError(f"stage {stage.index} ({stage.device}) has no value for {missing[0]!r}"
                                      f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}: run the "
@@ -136,10 +136,12 @@ class StepRunner:
             programs = self._programs[plan] = {r: RankProgram.of(plan, r) for r in sorted({s.rank for s in local})}
         key = (plan, tuple(sorted(fetch.items())))
         if key not in self._prepared:
+            shard = plan.shard_of_process(self.devices.world)
             for stage in self._local[plan]:
                 worker = self.devices.worker(stage.device)
                 for kind, section in stage.sections.items():
-                    runs = section.runs if kind == OPTIMIZE else section.runs[:1] if kind in PER_MICROBATCH else ()
+                    runs = (stage.optimize_section(shard).runs if kind == OPTIMIZE else section.runs[:1]
+                            if kind in PER_MICROBATCH else ())
                     for run in runs:
                         if run.program is not None:
                             worker.prepare(run, fetch.get((stage.index, kind), ()))

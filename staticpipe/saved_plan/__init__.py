@@ -70,6 +70,10 @@ def save_plan(program: framework.Program, directory: str,
     if plan_of(startup) is not plan:
         raise ValueError("startup_program is not the startup program of this plan: pass the startup program "
                          "given to minimize")
+    if plan.sharding_degree > 1:
+        raise ValueError(f"save_plan: this plan shards the optimizer state (sharding_degree {plan.sharding_degree}), "
+                         "which a saved plan cannot record yet; save the checkpoint (staticpipe.save), or build the "
+                         "plan again with sharding_degree=1 to save it")
     unloaded = [s.index for s in plan.stages if not s.loaded]
     if unloaded:
         raise ValueError(f"save_plan needs every stage's section programs, but stages {unloaded} were not loaded "
