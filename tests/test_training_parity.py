@@ -82,7 +82,7 @@ def test_learning_rate_is_the_same_on_every_stage_and_advances_per_step_or_epoch
         return ld.set_sample_generator(net.sample_reader(samples), batch_size=4)  # micro-batches of 4
 
     def rates():
-        return {d: float(np.array(exe.scope_of(d).find_var(learning_rate_var(net.main)).get_tensor())[0])
+        return {d: float(np.array(exe.scope_of(d).find_var(learning_rate_var(net.main)).get_tensor()).item())
                 for d in staticpipe.plan_of(net.main).devices}
 
     exe.train_from_dataset(net.main, loader(24), lr_step="step")  # 3 steps at epochs 0, 1, 2
