@@ -66,13 +66,16 @@ SCRIPT = textwrap.dedent("""
     first = int(env.get("FIRST", "0"))
     if env.get("LOAD"):
         staticpipe.load(net.main, env["LOAD"], exe)
+    plan = staticpipe.plan_of(net.main)
+    moment = sorted(n for s in plan.stages for n in s.state_shards)[0]  # one member's optimizer state
     for step in range(first, first + STEPS):
-        exe.run(net.main, feed=net.random_batch(BATCH, seed=step), fetch_list=[net.loss])
+        _, fetched = exe.run(net.main, feed=net.random_batch(BATCH, seed=step), fetch_list=[net.loss, moment])
         if hasattr(net.main, "lr_scheduler"):
             net.main.lr_scheduler.step()
     state = exe.state_dict(net.main)
     np.savez(os.path.join(out, f"state_{{rank}}.npz"), **state)
-    plan = staticpipe.plan_of(net.main)
+    if fetched is not None:  # the member holding it: its value after the step; the others None
+        np.save(os.path.join(out, f"fetched_{{rank}}.npy"), fetched)
     shard = plan.shard_of_process((rank, int(env["PADDLE_TRAINERS_NUM"])))
     stages = [s for s in plan.stages if s.rank == rank % len(plan.ranks)]
     predicted = sum(plan.memory.stages[s.index].held_state_bytes(shard) for s in stages)
@@ -88,8 +91,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def launch(tmp_path, ir: str, opt: str, dp: int, shards: int, **env: str) -> list[dict[str, np.ndarray]]:
-    """SCRIPT on 2 x ``dp`` processes; each rank's state after its steps."""
+def launch(tmp_path, ir: str, opt: str, dp: int, shards: int, **env: str) -> tuple[list, list, object]:
+    """SCRIPT on 2 x ``dp`` processes: (each rank's state after its steps, its memory figures, the output directory)."""
     out = tmp_path / f"out-{dp}-{shards}"
     out.mkdir(exist_ok=True)
     script = tmp_path / "train.py"
@@ -101,7 +104,7 @@ def launch(tmp_path, ir: str, opt: str, dp: int, shards: int, **env: str) -> lis
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-4000:]
     return [dict(np.load(p)) for p in sorted(glob.glob(str(out / "state_*.npz")))], [
-        json.load(open(p)) for p in sorted(glob.glob(str(out / "memory_*.json")))]
+        json.load(open(p)) for p in sorted(glob.glob(str(out / "memory_*.json")))], out
 
 
 def single_device(opt: str, steps: range) -> dict[str, np.ndarray]:
@@ -126,7 +129,7 @@ def sharded_plan(opt: str, dp: int, shards: int):
     return staticpipe.plan_of(net.main)
 
 
-def check_ranks(states, memory, want, plan, dp: int, shards: int) -> None:
+def check_ranks(states, memory, want, plan, dp: int, shards: int, out) -> None:
     pipeline = len(plan.ranks)
     assert len(states) == pipeline * dp
     for rank, state in enumerate(states):
@@ -138,6 +141,13 @@ def check_ranks(states, memory, want, plan, dp: int, shards: int) -> None:
         for name, value in state.items():
             np.testing.assert_allclose(value, want[name], rtol=RTOL, atol=ATOL, err_msg=f"rank {rank}: {name}")
         assert memory[rank]["shard"] == shard and memory[rank]["measured"] == memory[rank]["predicted"], memory[rank]
+    moment = sorted(n for s in plan.stages for n in s.state_shards)[0]
+    fetched = [np.load(p) if os.path.exists(p) else None for p in (
+        os.path.join(out, f"fetched_{rank}.npy") for rank in range(len(states)))]
+    for rank, value in enumerate(fetched):  # fetched where held (the state saved after it), None elsewhere
+        assert (value is None) == (moment not in states[rank]), f"rank {rank} fetched {moment}"
+        if value is not None:
+            np.testing.assert_array_equal(value, states[rank][moment])
     for r in range(pipeline):  # a group's shards together: the whole state of its stages, each name once
         held = [n for k in range(shards) for n in states[k * pipeline + r] if n in {
             n for s in plan.stages if s.rank == r for n in s.state_shards}]
@@ -148,8 +158,8 @@ def check_ranks(states, memory, want, plan, dp: int, shards: int) -> None:
 @pytest.mark.parametrize("opt, dp, shards", [("Adam", 2, 2), ("AdamW", 4, 4), ("Momentum", 4, 2)],
                          ids=["Adam-sharding2", "AdamW-sharding4", "Momentum-dp2xsharding2"])
 def test_sharded_optimizer_state_trains_like_one_device(tmp_path, program_ir, opt, dp, shards):
-    states, memory = launch(tmp_path, program_ir, opt, dp, shards)
-    check_ranks(states, memory, single_device(opt, range(STEPS)), sharded_plan(opt, dp, shards), dp, shards)
+    states, memory, out = launch(tmp_path, program_ir, opt, dp, shards)
+    check_ranks(states, memory, single_device(opt, range(STEPS)), sharded_plan(opt, dp, shards), dp, shards, out)
 
 
 @pytest.mark.parametrize("shards", [2, 4])
@@ -197,9 +207,9 @@ def test_a_sharded_checkpoint_holds_the_whole_state_and_loads_into_another_degre
         for name, value in single_device("AdamW", range(STEPS)).items():
             np.testing.assert_allclose(np.array(scope.find_var(name).get_tensor()), value, rtol=RTOL, atol=ATOL,
                                        err_msg=f"save_persistables: {name}")
-    states, memory = launch(tmp_path, program_ir, "AdamW", 4, 4, LOAD=checkpoint, FIRST=str(STEPS))
+    states, memory, out = launch(tmp_path, program_ir, "AdamW", 4, 4, LOAD=checkpoint, FIRST=str(STEPS))
     final = single_device("AdamW", range(2 * STEPS))
-    check_ranks(states, memory, final, sharded_plan("AdamW", 4, 4), 4, 4)
+    check_ranks(states, memory, final, sharded_plan("AdamW", 4, 4), 4, 4, out)
     # one process, no replicas: the whole state from the sharded job's checkpoint (load refuses a checkpoint
     # that lacks any variable of the program, so a shard missing from it fails here)
     net = build()
