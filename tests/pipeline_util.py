@@ -1,6 +1,7 @@
 """Shared by the runtime tests: train a pipelined network and its unguarded twin side by side."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -372,3 +373,21 @@ def launch_script(tmp_path, template: str, nprocs: int):
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def fc_chain(devices=("gpu:0", "gpu:1"), seed: int | None = None):
+    """x [-1, 4] -> an fc of 4 under each device's guard -> cross entropy: (main, startup, loss); parameters
+    fc_<k>.* on device k (fresh names). ``seed``: the startup program's random seed."""
+    main, startup = paddle.static.Program(), paddle.static.Program()
+    if seed is not None:
+        startup.random_seed = seed
+    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
+        with contextlib.ExitStack() as stack:
+            x = paddle.static.data("x", [-1, 4], "float32")
+            y = paddle.static.data("y", [-1, 1], "int64")
+            h = x
+            for device in devices:
+                stack.enter_context(staticpipe.device_guard(device))
+                h = paddle.static.nn.fc(h, 4)
+            loss = paddle.mean(paddle.nn.functional.cross_entropy(h, y))
+    return main, startup, loss

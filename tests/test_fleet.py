@@ -5,7 +5,6 @@ feature staticpipe does not implement runs where it is on at a degree or setting
 refused by name where it changes what training computes."""
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import re
@@ -17,7 +16,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 import staticpipe
 from models import build_mlp
-from pipeline_util import assert_same_training, train_twins
+from pipeline_util import assert_same_training, fc_chain, train_twins
 from staticpipe import fleet
 from staticpipe._paddle import PADDLE_MAJOR, np, paddle
 
@@ -120,25 +119,11 @@ def test_the_fleet_script_launched_two_replicas_of_two_stages_each_fed_its_own_b
     np.testing.assert_allclose(np.load(tmp_path / "losses_1.npy"), losses, rtol=1e-5)  # the last stage's rank
 
 
-def small_program(devices=("gpu:0", "gpu:1")):
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
-        with contextlib.ExitStack() as stack:
-            x = paddle.static.data("x", [-1, 4], "float32")
-            y = paddle.static.data("y", [-1, 1], "int64")
-            h = x
-            for device in devices:
-                stack.enter_context(staticpipe.device_guard(device))
-                h = paddle.static.nn.fc(h, 4)
-            loss = paddle.mean(paddle.nn.functional.cross_entropy(h, y))
-    return main, startup, loss
-
-
 def refusal(configure, devices=("gpu:0", "gpu:1"), optimizer=lambda: paddle.optimizer.SGD(0.1)) -> str:
     fleet.init(is_collective=True)
     strategy = fleet.DistributedStrategy()
     strategy.pipeline = True
-    main, startup, loss = small_program(devices)
+    main, startup, loss = fc_chain(devices)
     with pytest.raises(ValueError) as err, paddle.static.program_guard(main, startup):
         configure(strategy)
         opt = fleet.distributed_optimizer(optimizer(), strategy)
@@ -391,7 +376,7 @@ def test_one_stage_ignores_fleets_default_micro_batch_size_and_fetches_per_micro
     strategy = fleet.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {"accumulate_steps": 2}
-    main, startup, loss = small_program(("gpu:0",))
+    main, startup, loss = fc_chain(("gpu:0",))
     with paddle.static.program_guard(main, startup):
         fleet.distributed_optimizer(paddle.optimizer.SGD(0.1), strategy).minimize(loss)
     exe = staticpipe.Executor()
@@ -423,7 +408,7 @@ def test_fleet_sharding_configs_give_the_replicas_and_the_sharding_groups(settin
     """Paddle's static sharding: processes = pp x dp x sharding_degree, every sharding member a replica of its
     own data; the plan runs dp x sharding_degree replicas in groups of sharding_degree (tests/test_sharding.py
     trains them launched)."""
-    main, startup, loss = small_program(["gpu:0", "gpu:1"])
+    main, startup, loss = fc_chain(["gpu:0", "gpu:1"])
     fleet.init(is_collective=True)
     strategy = fleet.DistributedStrategy()
     strategy.pipeline = True

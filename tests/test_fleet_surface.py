@@ -5,7 +5,6 @@ layout), _final_strategy / _get_applied_meta_list, ``main._pipeline_opt`` after 
 learning rate held 0-D as Paddle holds it (state, fetch, checkpoints; an old (1,) value still loads)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -17,7 +16,8 @@ import pytest
 
 import staticpipe
 from staticpipe import fleet
-from staticpipe._paddle import PADDLE_MAJOR, np, paddle
+from pipeline_util import fc_chain
+from staticpipe._paddle import np, paddle
 
 pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,22 +32,6 @@ def paddles_pipeline_opt_keys() -> set[str]:
     source = open(pipeline.__file__, encoding="utf-8").read()
     block = source[source.rindex("main_program._pipeline_opt = {"):]
     return set(re.findall(r'^\s*"(\w+)":', block[:block.index("}")], re.M))
-
-
-def program(devices=("gpu:0", "gpu:1"), lr=0.1):
-    """x -> fc per device -> cross entropy; parameters fc_<k>.* on device k; (main, startup, loss)."""
-    main, startup = paddle.static.Program(), paddle.static.Program()
-    startup.random_seed = 7
-    with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
-        with contextlib.ExitStack() as stack:
-            x = paddle.static.data("x", [-1, 4], "float32")
-            y = paddle.static.data("y", [-1, 1], "int64")
-            h = x
-            for device in devices:
-                stack.enter_context(staticpipe.device_guard(device))
-                h = paddle.static.nn.fc(h, 4)
-            loss = paddle.mean(paddle.nn.functional.cross_entropy(h, y))
-    return main, startup, loss
 
 
 def pipeline_strategy(pp=2, accumulate=2, **settings):
@@ -131,7 +115,7 @@ def test_before_minimize_the_group_comes_from_the_strategy_given_to_init(one_pro
 def test_one_process_after_minimize_hybrid_group_final_strategy_and_pipeline_opt(one_process, program_ir):
     fleet.init(is_collective=True)
     assert fleet._final_strategy() == {} and fleet._get_applied_meta_list() == []  # Paddle's, before minimize
-    main, startup, loss = program()
+    main, startup, loss = fc_chain(seed=7)
     strategy = pipeline_strategy(lamb=True)  # LAMB with SGD: Paddle's fleet does not apply it, nor does this
     with paddle.static.program_guard(main, startup):
         fleet.distributed_optimizer(paddle.optimizer.SGD(0.1), strategy).minimize(loss)
@@ -170,7 +154,7 @@ def test_one_process_after_minimize_hybrid_group_final_strategy_and_pipeline_opt
 
 def test_data_parallelism_alone_leaves_no_pipeline_opt_as_paddle(one_process):
     fleet.init(is_collective=True)
-    main, startup, loss = program(("gpu:0",))
+    main, startup, loss = fc_chain(("gpu:0",), seed=7)
     with paddle.static.program_guard(main, startup):
         fleet.distributed_optimizer(paddle.optimizer.SGD(0.1), fleet.DistributedStrategy()).minimize(loss)
     assert main._pipeline_opt is None and fleet._get_applied_meta_list() == []
@@ -182,7 +166,7 @@ def test_pipeline_opt_changes_nothing_that_runs_the_program(one_process, tmp_pat
     results = []
     for how in ("fleet", "staticpipe"):
         fleet.init(is_collective=True)
-        main, startup, loss = program()
+        main, startup, loss = fc_chain(seed=7)
         with paddle.static.program_guard(main, startup), paddle.utils.unique_name.guard():
             test = main.clone(for_test=True)
             if how == "fleet":
@@ -277,14 +261,14 @@ LAUNCHED = textwrap.dedent("""
     from staticpipe import fleet
     from staticpipe._paddle import paddle
     paddle.enable_static()
-    from test_fleet_surface import program
+    from pipeline_util import fc_chain
     strategy = fleet.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {{"accumulate_steps": 2, "micro_batch_size": 2}}
     strategy.hybrid_configs = {{"dp_degree": 2, "pp_degree": 2}}
     fleet.init(is_collective=True, strategy=strategy)
     before = fleet.get_hybrid_communicate_group()
-    main, startup, loss = program()
+    main, startup, loss = fc_chain(seed=7)
     with paddle.static.program_guard(main, startup):
         fleet.distributed_optimizer(paddle.optimizer.SGD(0.1), strategy).minimize(loss)
     exe = staticpipe.Executor()
