@@ -25,6 +25,12 @@ def np_dtype(dtype: Any) -> str:
     return paddle.base.data_feeder.convert_dtype(getattr(dtype, "dtype", dtype))
 
 
+def num_bytes(shape: Any, dtype: Any) -> int:
+    """Bytes of a tensor of ``shape`` (a -1 dimension, the batch, counted as 1) and dtype ``dtype`` (as
+    ``np_dtype`` takes it)."""
+    return int(np.prod([abs(int(d)) for d in shape], dtype=np.int64)) * np.dtype(np_dtype(dtype)).itemsize
+
+
 def as_float(value: Any, dtype: Any) -> np.ndarray:
     """``value`` of a variable of Paddle dtype ``dtype`` as numbers: Paddle hands bfloat16 values out as
     their uint16 bit patterns (its numpy stand-in), which arithmetic must not see; other dtypes as they are."""

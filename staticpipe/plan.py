@@ -106,9 +106,14 @@ class Stage:
         """The optimize section the member ``shard`` of a sharding group runs (None: not sharded)."""
         return self.sections[OPTIMIZE] if shard is None or not self.shard_optimize else self.shard_optimize[shard]
 
+    def holds(self, name: str, shard: int | None) -> bool:
+        """Whether the member ``shard`` of a sharding group (None: not sharded) holds ``name`` of this stage's
+        state: everything but the other members' optimizer state."""
+        return shard is None or self.state_shards.get(name, shard) == shard
+
     def unheld(self, shard: int | None) -> frozenset[str]:
         """The optimizer state of the other shards, which the member ``shard`` never holds (None: none)."""
-        return frozenset() if shard is None else frozenset(n for n, j in self.state_shards.items() if j != shard)
+        return frozenset(n for n in self.state_shards if not self.holds(n, shard))
 
     @property
     def loaded(self) -> bool:

@@ -22,11 +22,10 @@ settings; ``recompute`` with ``checkpoints`` recomputes every stage's activation
 without checkpoints does nothing, and neither does this); ``hybrid_configs`` ``dp_degree`` replicas (-1:
 the launched processes over ``pp_degree``) of ``pp_degree`` devices (with ``sharding`` on, Paddle's static
 fleet reads both from ``sharding_configs``: so does this). Micro-batch gradients are averaged whatever the
-loss's reduction, as Paddle's pipeline does. ``sharding`` with ``sharding_degree`` k > 1 is
-ZeRO stage 1 over groups of k replicas (``PipelineOptimizer(sharding_degree=k)``). A feature staticpipe does
-not implement (sharding stage 2 or 3,
-tensor parallelism, gradient merge, LAMB, ...) is refused by name where it is on with a degree or setting
-that changes what training computes; at degree 1, or where Paddle's fleet would not apply it (LAMB with
+loss's reduction, as Paddle's pipeline does. ``sharding`` with ``sharding_degree`` k > 1 is ZeRO stage 1
+over groups of k replicas (``PipelineOptimizer(sharding_degree=k)``). A feature staticpipe does not
+implement (sharding stage 2 or 3, tensor parallelism, gradient merge, LAMB, ...) is refused by name where
+it is on with a degree or setting that changes what training computes; at degree 1, or where Paddle's fleet would not apply it (LAMB with
 Momentum, DGC without replicas), it runs. Settings that only tune Paddle's own collectives (fusion sizes,
 NCCL rings, hierarchical allreduce) change nothing here.
 

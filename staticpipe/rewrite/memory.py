@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-from .._paddle import np
-from ..ir import declared, declared_var, np_dtype
+from ..ir import declared, declared_var, num_bytes
 from ..memory_model import MemoryModel, StageMemory
 from ..plan import FORWARD, Stage
 from ..schedule.simulate import inflight_counts, peak_inflight
@@ -40,7 +39,7 @@ def _stage(stage: Stage, peak_inflight: int) -> StageMemory:
         for name in names:
             if name in where:
                 shape, dtype = declared_var(where[name], name)
-                count = int(np.prod([abs(d) for d in shape], dtype=np.int64)) * np.dtype(np_dtype(dtype)).itemsize
+                count = num_bytes(shape, dtype)
                 if any(d < 0 for d in shape):
                     per_sample += count
                 else:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._paddle import framework, np
-from ..ir import np_dtype
+from .._paddle import framework
+from ..ir import num_bytes
 from .optimize import Reduction, StageSlice
 from .stages import StageAssignment
 
@@ -59,7 +59,7 @@ def shard_stages(block: framework.Block, assignment: StageAssignment, placed: di
                    if p is not None and assignment.param_stage.get(p) == s}
         state = {i: [n for slot in block.ops[i].input_names if slot.lower() not in NOT_STATE
                      for n in block.ops[i].input(slot) if _is_state(block, n)] for i in updates}
-        owners.update(_balanced({p: sum(_nbytes(block, n) for n in [p, *state[i]]) for i, p in updates.items()}, k))
+        owners.update(_balanced({p: sum(_bytes(block, n) for n in [p, *state[i]]) for i, p in updates.items()}, k))
         params = {p: owners[p] for p in updates.values()}
         params.update({p: owners[p] for p, readers in assignment.shared.items() if s in readers and p in owners})
         holders: dict[str, set[int]] = {}  # state variable -> the shards of the parameters whose update reads it
@@ -94,12 +94,9 @@ def _balanced(sizes: dict[str, int], k: int) -> dict[str, int]:
     return shard
 
 
-def _nbytes(block: framework.Block, name: str) -> int:
+def _bytes(block: framework.Block, name: str) -> int:
     var = block._var_recursive(name)
-    count = 1
-    for d in var.shape:
-        count *= max(int(d), 1)
-    return count * np.dtype(np_dtype(var)).itemsize
+    return num_bytes(var.shape, var)
 
 
 def _without(block: framework.Block, items: list, others: set[str]) -> list:

@@ -16,6 +16,7 @@ so a rank holds the whole optimizer state only while it initialises.
 from __future__ import annotations
 
 from .._paddle import core, np
+from ..ir import np_dtype
 from ..plan import Plan
 from .channel import Channel
 
@@ -28,17 +29,15 @@ def gather_parameters(scope: core._Scope, place: core.Place, channel: Channel, p
         return
     owner = {p: j for s in stages for p, j in plan.stages[s].param_shards.items()}
     tensors = {p: scope.find_var(p).get_tensor() for p in sorted(owner)}
-    layout = {p: (tuple(t.shape()), np.array(t).dtype) for p, t in tensors.items()}
     mine = {p: np.array(t) for p, t in tensors.items() if owner[p] == channel.shard}
     got = channel.shard_exchange({f"shard{channel.shard}:{dtype}": flat for dtype, flat in _packed(mine).items()})
     for key, flat in got.items():
         shard, dtype = key[len("shard"):].split(":", 1)
-        names = [p for p in sorted(owner) if owner[p] == int(shard) and str(layout[p][1]) == dtype]
         if int(shard) == channel.shard:
             continue
-        offset = 0
-        for p in names:
-            shape, _ = layout[p]
+        offset = 0  # the sender packed its parameters of this dtype in name order (``_packed``)
+        for p in (p for p in tensors if owner[p] == int(shard) and np_dtype(tensors[p]._dtype()) == dtype):
+            shape = tuple(tensors[p].shape())
             size = int(np.prod(shape, dtype=np.int64))
             tensors[p].set(flat[offset:offset + size].reshape(shape), place)
             offset += size

@@ -91,8 +91,8 @@ def gathered_state_dict(devices: Devices, plan: Plan, step: int) -> dict[str, np
     rank, pipeline = devices.world[0], len(plan.ranks)
     channel, key = devices.channel_for(plan), ("state", step)
     if plan.sharding_degree > 1 and rank < pipeline * plan.sharding_degree:  # ZeRO-1: the first group's shards
-        pooled = channel.shard_exchange({n: v for n, v in state.items()
-                                         if any(n in st.state_shards for st in devices.local_stages(plan))})
+        sharded = {n for st in devices.local_stages(plan) for n in st.state_shards}
+        pooled = channel.shard_exchange({n: v for n, v in state.items() if n in sharded})
         state.update(pooled if rank < pipeline else {})
     if rank == 0:
         for peer in range(1, pipeline):
@@ -122,7 +122,7 @@ def set_state_dict(devices: Devices, plan: Plan, state: dict[str, Any], strict: 
     local, shard = {st.index for st in stages}, plan.shard_of_process(devices.world)
     for name, value in state.items():
         for s in plan.stage_of_var(name):
-            if s in local and name not in plan.stages[s].unheld(shard):  # ZeRO-1: another shard's state
+            if s in local and plan.stages[s].holds(name, shard):  # ZeRO-1: not another member's state
                 worker = devices.worker(plan.stages[s].device)
                 worker.scope.var(name).get_tensor().set(np.asarray(value), worker.place)
 
@@ -153,8 +153,8 @@ def _as_stored(devices: Devices, plan: Plan, name: str, value: Any) -> np.ndarra
 def uninitialised(devices: Devices, plan: Plan, stage: Stage) -> list[str]:
     """The persistables of ``stage`` (its state, not the gradient buffers, not other shards' optimizer state)
     its device's scope has no value for."""
-    scope, unheld = devices.worker(stage.device).scope, stage.unheld(plan.shard_of_process(devices.world))
-    return [n for n in stage.persistables if n not in stage.grad_buffers and n not in unheld and not (
+    scope, shard = devices.worker(stage.device).scope, plan.shard_of_process(devices.world)
+    return [n for n in stage.persistables if n not in stage.grad_buffers and stage.holds(n, shard) and not (
         (var := scope.find_var(n)) is not None and var.get_tensor()._is_initialized())]
 
 

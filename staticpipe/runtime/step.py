@@ -107,7 +107,7 @@ class StepRunner:
                 continue
             stage = next((s for s in persist[name] if s in local), persist[name][0]) if name in persist else \
                 plan.producers[name].stage  # state several stages hold (a learning rate) is alike: a local one's
-            if stage not in local or name in plan.stages[stage].unheld(plan.shard_of_process(self.devices.world)):
+            if stage not in local or not plan.stages[stage].holds(name, plan.shard_of_process(self.devices.world)):
                 out.append(None)  # computed by another process, or another ZeRO-1 member's optimizer state
             elif name in persist:
                 out.append(np.array(self.devices.worker(plan.stages[stage].device).scope.find_var(name).get_tensor()))
