@@ -15,6 +15,8 @@ schedule (``Simulation.peak_inflight``): the two must agree.
 times and what the simulator says each plan is worth under them.
 
     python bench/schedules.py [--model mlp|resnet|mlp-balanced|resnet-balanced|all] [--steps 3]
+    python bench/schedules.py --plans      # no models: every family's plans on a grid of costs beside the
+                                           # bound no order beats, and generation at p=64, m=512 (plan_grid.py)
 
 mlp: 8 x 2048, global batch 2048, 8 micro-batches of 256, 2 devices (one thread each), layers split
      evenly by the model's guards. Stage 1 does 12 GEMMs per micro-batch against stage 0's 11 (the first
@@ -39,8 +41,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/plan_grid.py
 
 import staticpipe  # noqa: E402
+from staticpipe.capabilities import describe  # noqa: E402
 from models import Network, build_mlp, build_resnet  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from paddle.base import core  # noqa: E402
@@ -190,7 +194,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="all", choices=[*CONFIGS, "all"])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--plans", action="store_true", help="only the plans on the grid of costs, beside the bound")
     args = ap.parse_args()
+    print(describe())
+    if args.plans:
+        import plan_grid
+        plan_grid.main()
+        return
     for model in (list(CONFIGS) if args.model == "all" else [args.model]):
         print(f"\n{model}: median of {args.steps} interleaved rounds")
         results = measure(model, args.steps)

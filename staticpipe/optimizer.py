@@ -35,9 +35,13 @@ class PipelineOptimizer:
     third / half of 1F1B's activations), "Eager1F1B" (Paddle's: 1F1B with twice the warm-up),
     "DualPipeV" (a V pairing a forward with a backward of another micro-batch), or a custom schedule:
     ``{rank: [Action, ...]}`` or its text (``rank 0: 0F0 0F1 ...``).
-    ``schedule_costs``: for "ZB-H1", "ZB-V" and "ZB-2P", the F, B and W durations to plan the order with, one
+    ``schedule_costs``: for "ZB-H1", "ZB-V", "ZB-2P", "V-Min" and "V-Half", the F, B and W durations to plan the
+    order with (``docs/schedules.md``: each keeps the shortest of a portfolio of orders), one
     per kind or a list of one per stage (``{"F": [0.031, 0.035], ...}``: ``Timeline.stage_costs()`` of a
     traced step), or a function of the action; None plans with unit costs.
+    ``schedule_comm``: for the same schedules, the latency of a message between two devices
+    to plan the order with: seconds, ``{(source rank, destination rank): seconds}`` or a function of the two
+    ranks (``schedule/latency.py``); None: messages are free.
     ``micro_batch_size``: fixes the batch dimension of cut variables at rewrite time; otherwise it is
     fixed by the first batch.
     ``recompute``: True (every stage) or a list of stage indices that keep only their inputs between
@@ -62,14 +66,14 @@ class PipelineOptimizer:
     def __init__(self, optimizer: Any, num_microbatches: int = 1, schedule: str | dict = "1F1B",
                  micro_batch_size: int | None = None, recompute: bool | list[int] = False,
                  dp_degree: int = 1, schedule_costs: StageCosts | None = None, replica_batches: str = "split",
-                 loss_reduction: str = "auto", sharding_degree: int = 1):
+                 loss_reduction: str = "auto", sharding_degree: int = 1, schedule_comm: Any = None):
         if not _is_paddle_optimizer(optimizer):
             raise ValueError(f"optimizer must be a paddle.optimizer.Optimizer, or one decorated by Paddle's static AMP "
                              f"(paddle.static.amp.decorate, paddle.static.amp.bf16.decorate_bf16), got "
                              f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         self.inner = optimizer
         self.options = PlanOptions(num_microbatches, schedule, micro_batch_size, recompute, schedule_costs, dp_degree,
-                                   replica_batches, loss_reduction, sharding_degree)
+                                   replica_batches, loss_reduction, sharding_degree, schedule_comm)
         self.plan: Plan | None = None
 
     def _option(name: str) -> property:  # noqa: N805  (a property factory, used in the class body)
@@ -86,6 +90,7 @@ class PipelineOptimizer:
     replica_batches = _option("replica_batches")
     loss_reduction = _option("loss_reduction")
     sharding_degree = _option("sharding_degree")
+    schedule_comm = _option("schedule_comm")
     del _option
 
     def amp_init(self, place: Any = None, scope: Any = None, test_program: Any = None, **kwargs: Any) -> None:

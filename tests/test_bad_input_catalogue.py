@@ -312,8 +312,16 @@ CASES = [
          exactly("dp_degree must be an integer >= 1, got 1.5")),
     # --- schedule_costs ----------------------------------------------------------------------------
     Case("schedule_costs-for-1F1B", lambda tmp: opt(2, "1F1B", schedule_costs={"F": 1}), ValueError,
-         exactly("schedule_costs is for the schedules that plan by measured costs (ZB-H1, ZB-V, ZB-2P); schedule 1F1B "
-                 "does not use it")),
+         exactly("schedule_costs is for the schedules that plan by measured costs (ZB-H1, ZB-V, V-Min, V-Half, "
+                 "ZB-2P); schedule 1F1B does not use it")),
+    Case("schedule_comm-for-1F1B", lambda tmp: opt(2, "1F1B", schedule_comm=0.5), ValueError,
+         exactly("schedule_comm is for the schedules that plan by measured costs (ZB-H1, ZB-V, V-Min, V-Half, "
+                 "ZB-2P); schedule 1F1B does not use it")),
+    Case("schedule_comm-negative", lambda tmp: opt(2, "ZB-H1", schedule_comm=-1), ValueError,
+         exactly("schedule_comm must be seconds >= 0, a mapping {(source rank, destination rank): seconds} or a "
+                 "function of the two ranks, got -1")),
+    Case("schedule_comm-bad-link", lambda tmp: opt(2, "ZB-V", schedule_comm={("gpu:0", "gpu:1"): 1.0}), ValueError,
+         exactly("schedule_comm keys must be (source rank, destination rank) pairs, got ('gpu:0', 'gpu:1')")),
     Case("schedule_costs-unknown-kind", lambda tmp: opt(2, "ZB-H1", schedule_costs={"OPT": 1}), ValueError,
          exactly("unknown action kind 'OPT' in schedule_costs; kinds: F, B, W")),
     Case("schedule_costs-negative", lambda tmp: opt(2, "ZB-H1", schedule_costs={"W": -0.5}), ValueError,
@@ -325,8 +333,8 @@ CASES = [
                  "got [1, 2]")),
     Case("schedule_costs-with-custom-schedule",
          lambda tmp: opt(1, {0: ["0F0", "0B0", "0OPT"]}, schedule_costs={"F": 1}), ValueError,
-         exactly("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V, ZB-2P); a custom schedule gives its "
-                 "own order")),
+         exactly("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V, V-Min, V-Half, ZB-2P); a custom "
+                 "schedule gives its own order")),
     Case("schedule_costs-list-length", lambda tmp: fresh_minimize("ZB-H1", schedule_costs={"F": [1, 2, 3]}),
          ValueError, exactly("schedule_costs['F'] has 3 values for 2 stages: [1, 2, 3]")),
     # --- custom schedules: text and dict -----------------------------------------------------------

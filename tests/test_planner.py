@@ -152,6 +152,8 @@ def test_whole_recompute_prices_none_or_every_stage(profile):
     (dict(schedules=["2F2B"]), "unknown schedule '2F2B'; known schedules: " + ", ".join(
         staticpipe.schedule.registry.KINDS)),
     (dict(time_steps=-1), "time_steps must be an integer >= 0, got -1"),
+    (dict(comm=-0.5), "comm must be seconds >= 0, a mapping {(source rank, destination rank): seconds} or a function "
+                      "of the two ranks, got -0.5"),
     (dict(memory_limit=float("nan")), "memory_limit=nan: a memory cap must be a positive, finite number of bytes "
                                       "(None for no cap)"),
     (dict(memory_limit=[float("nan"), 1e9]), "memory_limit[0]=nan: a memory cap must be a positive, finite number "
@@ -167,6 +169,20 @@ def test_bad_arguments_are_named(profile, kw, message):
     with pytest.raises(ValueError) as err:
         plan(profile, **kw)
     assert str(err.value) == message
+
+
+def test_a_message_latency_prices_every_plan_and_the_zero_bubble_orders_plan_with_it(profile):
+    """A latency far above the step: every plan waits for a micro-batch to go down and back (2 x comm at
+    least); the ZB-H1 plan applied is the one planned with the latency (``make_schedule(..., comm=)``)."""
+    _, free = plan(profile, schedules=["1F1B", "ZB-H1"])
+    comm = 100 * max(c.step_s for c in free.candidates)
+    n, slow = plan(profile, schedules=["1F1B", "ZB-H1"], comm=comm)
+    assert all(c.step_s >= 2 * comm for c in slow.candidates) and all(c.step_s < comm for c in free.candidates)
+    n, zb = plan(profile, schedules=["ZB-H1"], comm={(0, 1): comm, (1, 0): comm})
+    applied = staticpipe.plan_of(n.main)
+    expected = staticpipe.schedule.make_schedule("ZB-H1", 2, M, comm=comm)
+    assert {r: [a for a in acts if a.kind.name in ("F", "B", "W")] for r, acts in applied.actions.items()} == {
+        r: [a for a in acts if a.kind.name in ("F", "B", "W")] for r, acts in expected.items()}
 
 
 def test_a_size_string_is_a_cap_in_bytes(profile):

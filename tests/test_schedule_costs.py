@@ -8,7 +8,7 @@ import re
 import pytest
 
 from schedule_util import HEAVY_MIDDLE, as_strings, rank_peak
-from staticpipe.schedule import get_kind, make_schedule, simulate, validate
+from staticpipe.schedule import format_schedule, get_kind, make_schedule, simulate, validate
 from staticpipe.schedule.__main__ import main
 from staticpipe.schedule.simulate import stage_cost_function
 
@@ -82,7 +82,8 @@ def test_costs_are_checked_and_name_the_fault():
         with pytest.raises(ValueError, match=re.escape(error)):
             make_schedule("ZB-H1", 2, 4, costs=costs)
     with pytest.raises(ValueError, match=re.escape(
-            "costs is for the schedules that plan by measured costs (ZB-H1, ZB-V, ZB-2P); schedule 1F1B does not use it")):
+            "costs is for the schedules that plan by measured costs (ZB-H1, ZB-V, V-Min, V-Half, ZB-2P); schedule 1F1B "
+            "does not use it")):
         make_schedule("1F1B", 2, 4, costs={"F": 1})
     with pytest.raises(ValueError, match=re.escape("costs give action 1B0 a negative duration (-1)")):
         make_schedule("ZB-H1", 2, 4, costs=lambda a: -1 if str(a) == "1B0" else 1)
@@ -96,7 +97,17 @@ def test_cli_plans_with_costs(capsys):
         "rank 0: 0F0 0F1 3F0 3B0 3F1 3B1 0B0 3W0 0W0 0B1 3W1 0W1 0OPT 3OPT",
         "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 2W1 1W1 1OPT 2OPT",
         "simulated total: 11", "bubble: 0.0909", "span bubble: 0.0909",
+        "bound: 11 (the shortest step any order could have: the plan is 1.000x it)",
         "peak in flight: stage 0: 2, stage 1: 2, stage 2: 2, stage 3: 2",
         "unit-cost plan under these costs: simulated total 11.5, bubble 0.1304"]
     main(["--schedule", "1F1B", "--stages", "2", "--microbatches", "2", "--costs", "F=1,B=2"])
     assert "unit-cost plan" not in capsys.readouterr().out
+    # a latency: planned with it; the bound has the first micro-batch's way down and back over the link
+    main(["--schedule", "ZB-H1", "--stages", "2", "--microbatches", "4", "--costs", "F=1,B=1,W=1", "--comm", "2"])
+    out = capsys.readouterr().out.splitlines()
+    plan = make_schedule("ZB-H1", 2, 4, costs={"F": 1, "B": 1, "W": 1}, comm=2)
+    total = simulate(plan, {"F": 1, "B": 1, "W": 1}, comm=2).total
+    assert out[:2] == format_schedule(plan).splitlines() and out[2] == f"simulated total: {total:g}"
+    assert out[5] == f"bound: 15 (the shortest step any order could have: the plan is {total / 15:.3f}x it)"
+    unit = simulate(make_schedule("ZB-H1", 2, 4), {"F": 1, "B": 1, "W": 1}, comm=2)
+    assert out[7] == f"unit-cost plan under these costs: simulated total {unit.total:g}, bubble {unit.bubble:.4f}"

@@ -184,6 +184,7 @@ rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1OPT
 simulated total: 10
 bubble: 0.2000
 span bubble: 0.2000
+bound: 10 (the shortest step any order could have: the plan is 1.000x it)
 peak in flight: stage 0: 2, stage 1: 1
 """
 
@@ -200,8 +201,9 @@ def test_cli(capsys, tmp_path):
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3 0OPT 2OPT",
                          "rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3 1OPT 3OPT"]
-    assert lines[2:5] == ["simulated total: 9", "bubble: 0.1111", "span bubble: 0.1111"]  # chunks cost 1/2 each
-    assert lines[6] == f"wrote {tmp_path / 's.png'}"
+    assert lines[2:6] == ["simulated total: 9", "bubble: 0.1111", "span bubble: 0.1111",  # chunks cost 1/2 each
+                          "bound: 9 (the shortest step any order could have: the plan is 1.000x it)"]
+    assert lines[7] == f"wrote {tmp_path / 's.png'}"
     assert (tmp_path / "s.png").read_bytes()[:8] == PNG_MAGIC
 
     main(["--schedule", "ZB-V", "--stages", "2", "--microbatches", "4", "--json", "--costs", "F=1,B=1,W=1"])

@@ -287,10 +287,11 @@ def test_pipeline_optimizer_checks_schedule_costs():
     with pytest.raises(ValueError, match=re.escape("unknown action kind 'w' in schedule_costs; kinds: F, B, W")):
         staticpipe.PipelineOptimizer(opt, 4, "ZB-H1", schedule_costs={"w": 0.5})
     with pytest.raises(ValueError, match=re.escape("schedule_costs is for the schedules that plan by measured costs "
-                                                   "(ZB-H1, ZB-V, ZB-2P); schedule interleaved does not use it")):
+                                                   "(ZB-H1, ZB-V, V-Min, V-Half, ZB-2P); schedule interleaved does not "
+                                                   "use it")):
         staticpipe.PipelineOptimizer(opt, 4, "interleaved", schedule_costs={"W": 0.5})
-    with pytest.raises(ValueError, match=re.escape("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V, ZB-2P); "
-                                                   "a custom schedule gives its own order")):
+    with pytest.raises(ValueError, match=re.escape("schedule_costs plans the order of a named schedule (ZB-H1, ZB-V, "
+                                                   "V-Min, V-Half, ZB-2P); a custom schedule gives its own order")):
         staticpipe.PipelineOptimizer(opt, 1, "rank 0: 0F0 0B0 0OPT", schedule_costs={"W": 0.5})
     net = build_mlp(num_stages=2)
     with pytest.raises(ValueError, match=re.escape("schedule_costs['F'] has 3 values for 2 stages: [1, 1, 2]")):
@@ -314,8 +315,10 @@ def test_cost_aware_plan_trains_like_one_device(schedule, m, rank1, program_ir):
 
 
 def test_timeline_action_costs_are_each_actions_cpu_seconds():
-    """On CPU devices an action's cost alone is its worker thread's CPU time: never more than its wall
-    time, and a receive's wait for its message is not in it."""
+    """On CPU devices an action's cost alone is its worker thread's CPU time from the end of the rank's
+    action before to the end of this one and its upkeep (a micro-batch's scope freed after its last action):
+    never more than the wall time from the end of the action before to the start of the next, and a
+    receive's wait for its message is not in it."""
     net = build_mlp(num_stages=2)
     minimize(net, momentum(), dict(num_microbatches=4))
     exe = staticpipe.Executor(trace=True)
@@ -326,10 +329,17 @@ def test_timeline_action_costs_are_each_actions_cpu_seconds():
     costs = timeline.action_costs()
     plan = staticpipe.plan_of(net.main)
     assert set(costs) == {a for acts in plan.actions.values() for a in acts}
-    for _, a, start, end in timeline.events:
-        assert 0 <= costs[a] <= end - start + 1e-4, a
-        if a.kind in (Kind.F, Kind.B):
-            assert costs[a] > 0, a
+    by_rank = {}
+    for rank, a, start, end in timeline.events:
+        by_rank.setdefault(rank, []).append((start, end, a))
+    for events in by_rank.values():
+        events.sort(key=lambda e: e[0])
+        for i, (start, end, a) in enumerate(events):
+            before = events[i - 1][1] if i else start
+            after = events[i + 1][0] if i + 1 < len(events) else end + 1e-3  # the last one's upkeep
+            assert 0 <= costs[a] <= after - before + 1e-4, a
+            if a.kind in (Kind.F, Kind.B):
+                assert costs[a] > 0, a
 
 
 def test_timeline_stage_costs_plan_the_next_build():

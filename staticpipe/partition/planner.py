@@ -44,6 +44,7 @@ from ..placement import clone_with_split_points, place_of
 from ..plan import Plan
 from ..rewrite import plan_with, reschedule
 from ..schedule import KINDS, Action, Kind, make_schedule, simulate
+from ..schedule.latency import Comm, link_latency
 from .auto_place import Placement, auto_place
 from .costs import Profile
 from . import recompute_subsets as subsets
@@ -58,7 +59,7 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
               num_microbatches: int, memory_limit: float | Mapping[str, float] | Sequence[float] | None = None,
               feed: dict | DataLoader | None = None, profile: Profile | None = None,
               startup: framework.Program | None = None, schedules: Sequence[str] | None = None,
-              recompute: bool | str = True, time_steps: int = 3) -> PlanReport:
+              recompute: bool | str = True, time_steps: int = 3, comm: Comm = None) -> PlanReport:
     """Choose a partition of ``program`` (a forward program without guards, as for ``auto_place``) over
     ``devices``, a schedule and the stages to recompute, for the fastest predicted step whose every device
     stays under ``memory_limit`` (bytes: one number, one per device, or ``{device: bytes}``; None: no cap),
@@ -71,7 +72,10 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
     ``time_steps`` traced steps (0: price time from the op profile alone, as without ``feed``).
     ``schedules``: the schedule names to consider (default: every registered one). ``recompute``: True
     prices the sets of recomputed stages that can win (every subset up to six stages; see
-    ``recompute_subsets.py``), "whole" none or all of them, False none. ``ValueError``
+    ``recompute_subsets.py``), "whole" none or all of them, False none. ``comm``: the latency of a message
+    between two devices (seconds, ``{(source rank, destination rank): seconds}`` by the devices' positions,
+    or a function of the two): the schedules that plan by costs plan with it, and every plan is priced
+    with it (``schedule/latency.py``); None: messages are free. ``ValueError``
     saying by how much the best plan misses, per device, when none fits.
     """
     if recompute not in (True, False, "whole"):
@@ -83,6 +87,7 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
                          f"own to find it by), got {type(loss).__name__}: {loss!r}")
     devices = list(devices)
     caps = _caps(memory_limit, devices)
+    link_latency(comm)  # checked before anything is measured
     if profile is None or (feed is not None and time_steps):
         refuse_measuring_in_launched_job("auto_plan(feed=...)" if profile is not None else "auto_plan without profile=")
     batch = first_batch(feed) if feed is not None else None
@@ -103,7 +108,7 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
             raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(KINDS)}")
         chunks = kind.chunks or 2
         try:
-            compute = make_schedule(kind.name, len(devices), num_microbatches, chunks)
+            compute = make_schedule(kind.name, len(devices), num_microbatches, chunks, comm=_comm(kind, comm))
         except ValueError as exc:
             skipped[kind.name] = str(exc)
             continue
@@ -114,7 +119,8 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
                 continue
             rc = bool(recompute) and not kind.split_backward
             builds.append((kind, _built(placed, optimizer, startup, profile.batch_size, kind, compute,
-                                        num_microbatches, rc, caps, partitions, batch is not None and time_steps > 0)))
+                                        num_microbatches, rc, caps, partitions, batch is not None and time_steps > 0,
+                                        comm)))
     if not builds:
         raise ValueError("auto_plan: no schedule can run this program: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
     if batch is not None and time_steps:
@@ -131,7 +137,8 @@ def auto_plan(program: framework.Program, loss: Any, optimizer: Callable[[], Any
         raise ValueError(f"auto_plan: no plan fits the memory caps; the closest ({best.schedule}, {best.policy} cut, "
                          f"recompute {rc}) misses " + ", ".join(f"{d} by {b} bytes ({human_bytes(b)})"
                                                                 for d, b in best.over.items()))
-    _apply(program, loss, optimizer, startup, profile, best, num_microbatches, _cut_cap(caps))
+    _apply(program, loss, optimizer, startup, profile, best, num_microbatches, _cut_cap(caps),
+           _comm(KINDS[best.schedule], comm))
     timed = sum(len(b.measured) for _, b in builds)
     return PlanReport(best, tuple(candidates), skipped, caps, mbs, efficiency, timed)
 
@@ -145,6 +152,7 @@ class _Built:
     costs: Mapping[bool, Mapping[Action, float]]  # recomputed or not -> what each action costs
     programs: Mapping[bool, tuple[framework.Program, framework.Program, Plan]]  # recomputed or not -> built plan
     measured: Mapping[bool, float] = field(default_factory=dict)  # recomputed or not -> measured step (if timed)
+    comm: Comm = None  # the message latency every plan is priced with
 
     # what recompute leaves alone, read from the plan without it
     ranks = property(lambda self: self.programs[False][2].ranks)
@@ -170,7 +178,7 @@ def _placed(program, loss, profile, layout, policy, kind, m, caps, placements: d
 
 
 def _built(placed, optimizer, startup, mbs: int, kind, compute, m: int, recompute: bool, caps,
-           partitions: dict, timed: bool) -> _Built:
+           partitions: dict, timed: bool, comm: Comm = None) -> _Built:
     """The plans of ``kind`` over the ``placed`` partition, their actions priced from the op profile.
 
     Shared through ``partitions``: Paddle's minimize once per partition (the backward and optimizer ops are
@@ -191,7 +199,8 @@ def _built(placed, optimizer, startup, mbs: int, kind, compute, m: int, recomput
             if rc and not (timed or len(layout) <= subsets.EXHAUSTIVE_UP_TO
                            or _over(programs[False][2].memory.devices(mbs), caps)):
                 break
-            plans[key] = plan_with(program_view(main), loss_name, replace(options, schedule=kind.name, recompute=rc))
+            plans[key] = plan_with(program_view(main), loss_name, replace(options, schedule=kind.name, recompute=rc,
+                                                                          schedule_comm=_comm(kind, comm)))
         plan = plans[key]
         programs[rc] = (main, start, plan if plan.schedule == kind.name else reschedule(plan, kind.name, compute))
     stages = {rc: plan.memory.stages for rc, (_, _, plan) in programs.items()}
@@ -199,7 +208,7 @@ def _built(placed, optimizer, startup, mbs: int, kind, compute, m: int, recomput
     for rc, (_, _, plan) in programs.items():
         price = placement.profiled_cost(kind.split_backward, rc)
         costs[rc] = {a: price(a) for acts in plan.actions.values() for a in acts}
-    return _Built(placement, layout, placement.policy, stages, costs, programs)
+    return _Built(placement, layout, placement.policy, stages, costs, programs, comm=comm)
 
 
 def _minimized(main, loss, optimizer, startup, mbs: int, kind, m: int) -> tuple:
@@ -256,7 +265,7 @@ def _simulated_step(built: _Built, recomputed: Sequence[int]) -> float:
     first OPT of every rank waits for all of them, as in the runtime."""
     sharing = {r for r, device in enumerate(built.ranks) if isinstance(place_of(device), core.CPUPlace)}
     sim = simulate(built.actions, lambda a: built.costs[a.stage in recomputed][a], len(built.stage_ranks),
-                   cores=_cores() if sharing else None, sharing=sharing, collectives=True)
+                   cores=_cores() if sharing else None, sharing=sharing, collectives=True, comm=built.comm)
     return sim.total
 
 
@@ -272,12 +281,19 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _apply(program, loss, optimizer, startup, profile, chosen: Candidate, m: int, cap: float | None) -> None:
+def _comm(kind, comm: Comm) -> Comm:
+    """The latency ``kind`` plans its order with: the schedules that plan by costs take it, the others' order is
+    fixed (they are still priced with it)."""
+    return comm if kind.cost_aware else None
+
+
+def _apply(program, loss, optimizer, startup, profile, chosen: Candidate, m: int, cap: float | None,
+           comm: Comm) -> None:
     auto_place(program, devices=list(chosen.devices), policy=chosen.policy, profile=profile, schedule=chosen.schedule,
                num_microbatches=m, memory_limit=cap)
     with paddle.static.program_guard(program, startup or paddle.static.default_startup_program()):
         PipelineOptimizer(optimizer(), num_microbatches=m, schedule=chosen.schedule, recompute=list(chosen.recompute),
-                          micro_batch_size=profile.batch_size).minimize(loss)
+                          micro_batch_size=profile.batch_size, schedule_comm=comm).minimize(loss)
 
 
 def _cut_cap(caps: Mapping[str, float | None]) -> float | None:

@@ -65,7 +65,7 @@ def plan_with(program: framework.Program, loss_name: str, options: PlanOptions) 
             program, assignment, stage_ranks, m, mbs, options.recompute_stages(num_stages), split, seed,
             options.sharding_degree)
     compute = custom if custom is not None else make_schedule(kind.name, len(ranks), m, num_stages // len(ranks),
-                                                              costs)
+                                                              costs, options.latency())
     if custom is not None:  # first as written, so that an error counts the steps the user wrote
         validate(custom, num_stages, m, stage_ranks, split_backward=split, collectives=True)
     actions = _lowered(compute, routes, stage_ranks, m, split)

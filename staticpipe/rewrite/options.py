@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ..schedule import Action, Kind, Schedule, canonical_name, check_microbatches, get_kind, parse_action, parse_schedule
-from ..schedule.registry import KINDS, check_costs
+from ..schedule.latency import Comm, Latency
+from ..schedule.registry import KINDS, check_comm, check_costs
 from ..schedule.simulate import StageCosts
 
 
@@ -37,6 +38,7 @@ class PlanOptions:
     replica_batches: str = "split"
     loss_reduction: str = "auto"
     sharding_degree: int = 1
+    schedule_comm: Comm = None
 
     def __post_init__(self) -> None:
         check_microbatches(self.num_microbatches)
@@ -57,11 +59,13 @@ class PlanOptions:
             raise ValueError(f"loss_reduction must be one of {list(LOSS_REDUCTIONS)}, got {self.loss_reduction!r}")
         if self.replica_batches not in REPLICA_BATCHES:
             raise ValueError(f"replica_batches must be one of {list(REPLICA_BATCHES)}, got {self.replica_batches!r}")
-        if self.schedule_costs is not None and self.custom is not None:
-            aware = ", ".join(k.name for k in KINDS.values() if k.cost_aware)
-            raise ValueError(f"schedule_costs plans the order of a named schedule ({aware}); a custom schedule "
-                             "gives its own order")
+        for name in ("schedule_costs", "schedule_comm"):
+            if getattr(self, name) is not None and self.custom is not None:
+                aware = ", ".join(k.name for k in KINDS.values() if k.cost_aware)
+                raise ValueError(f"{name} plans the order of a named schedule ({aware}); a custom schedule "
+                                 "gives its own order")
         self.costs()
+        self.latency()
 
     @property
     def custom(self) -> Schedule | None:
@@ -79,6 +83,12 @@ class PlanOptions:
         if self.schedule_costs is None:
             return None
         return check_costs(get_kind(self.schedule), self.schedule_costs, num_stages, "schedule_costs")
+
+    def latency(self) -> Latency | None:
+        """The message latency a cost-aware schedule plans with (None: messages are free)."""
+        if self.custom is not None:
+            return None
+        return check_comm(get_kind(self.schedule), self.schedule_comm, "schedule_comm")
 
     def layout_needs(self) -> tuple[bool, bool]:
         """(several stages per device, the backward split into B and W)."""

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
+from itertools import chain
 from operator import itemgetter
 from typing import Callable, Iterable, NamedTuple
 
 from .actions import Action, Kind, Schedule
+from .latency import Latency, stage_lags
 
 Event = tuple[int, Action, float, float]  # (rank, action, start, end)
 BUSY_KINDS = (Kind.F, Kind.B, Kind.W, Kind.OPT, Kind.FB)  # compute; messages are not useful work
@@ -114,12 +116,16 @@ class Timeline(NamedTuple):
 
 
 def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], float] | dict[Kind, float] | None,
-             collectives: bool = False, columns: dict[int, Columns] | None = None) -> Timeline:
+             collectives: bool = False, columns: dict[int, Columns] | None = None,
+             latency: Latency | None = None) -> Timeline:
     """The dry run: every action's start and end (``times``: per rank, in list order); ``ScheduleError``
     on a deadlock, a message sent twice, received twice, received by the wrong stage, or never received.
     ``duration`` prices an action; it may be a table of what each kind costs, looked up
     without a call per action, or None: nothing is timed (``validate``'s dry run, which only needs the
     errors; ``times`` is then None). ``columns``: each rank's ``columns_of``, made here if not given.
+``latency`` (``latency.py``): a message between two ranks arrives that long after it left -- an F or B
+waits for its input's end plus its link's latency (``f_lag``/``b_lag`` per stage), a RECV for its SEND's
+start plus it (and never before the SEND's end) -- occupying no rank; None: messages are free.
 
     Ranks are visited in turns, in rank order, each running as far as it can. A blocked rank is not
     looked at again until what it waits for is done: then in this turn if its place comes later, else
@@ -140,6 +146,8 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
     if columns is None:
         columns = {r: columns_of(acts) for r, acts in schedule.items()}
     lowered = _has_messages(c[0] for c in columns.values())
+    rank_of = {s: r for r, c in columns.items() for s in chain(c[1], (x for x in c[3] if x is not None))}
+    f_lag, b_lag = stage_lags(rank_of, num_stages, None if lowered else latency)  # all 0.0 without a latency
     ranks = sorted(schedule)
     first_opt = {r: _first_opt(columns[r][0]) for r in ranks}
     times = {r: ([0.0] * len(schedule[r]), [0.0] * len(schedule[r])) for r in ranks} if timed else None
@@ -189,14 +197,17 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
         nan_start = nan_start or ready != ready
         return ready
 
-    def leave(r: int, i: int, a: Action, t: float) -> None:
-        """A SEND ends at ``t``."""
+    def leave(r: int, i: int, a: Action, t: float, start: float) -> None:
+        """A SEND that started at ``start`` ends at ``t``: the RECV may start at the later of ``t`` and the
+        start plus the link's latency."""
         key = (a[3], a[2])
         if key in sent:
             q, j, first_send = sent[key]
             raise fail(r, i, a, f"route {a.route}, micro-batch {a.microbatch} is sent twice "
                                 f"(also by rank {q}, step {j}, action {first_send})")
         sent[key] = (r, i, a)
+        if latency is not None and a.peer in rank_of:
+            t = max(t, start + latency(r, rank_of[a.peer]))
         sent_at[key] = t
         wake(waiting.pop((send, key), ()), r)
 
@@ -217,15 +228,17 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
             for i in range(i0, n):
                 kind, s, mb = kinds[i], stages[i], mbs[i]
                 if kind is f:
-                    dep, own = None if lowered or s == 0 else done_f[s - 1], done_f
+                    dep, own, lag = None if lowered or s == 0 else done_f[s - 1], done_f, f_lag[s]
                 elif kind is b:
                     dep, own = done_f[s] if s == last else None if lowered else done_b[s + 1], done_b
+                    lag = b_lag[s]  # 0.0 on the last stage: its B waits for its own F
                 elif kind is w:
-                    dep, own = done_b[s], None
+                    dep, own, lag = done_b[s], None, 0.0
                 elif kind is fb:  # its F half's dependency into floor, then its B half's as any other
                     s2, mb2 = b_stages[i], b_mbs[i]
                     before = None if lowered or not s > 0 else done_f[s - 1]
                     dep, own = done_f[s2] if s2 == last else None if lowered else done_b[s2 + 1], None
+                    lag = b_lag[s2]
                     if before is not None:
                         floor = before.get(mb)
                         if floor is None or type(floor) is list:
@@ -235,11 +248,13 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
                                 floor.append(r)
                             floor = 0.0
                             break
+                        floor += f_lag[s]
                         if not floor > 0.0:
                             floor = 0.0
                     mb, mb2 = mb2, mb  # the lookup below is the B half's
                 elif kind is opt or kind is send or kind is recv:
                     dep = own = None
+                    lag = 0.0
                     if kind is recv or (kind is opt and collectives):
                         floor = arrive(r, i, acts[i])
                         if floor is None:
@@ -247,7 +262,7 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
                             break
                     idle = kind is not opt
                 else:  # a kind not of Kind waits as a B would, and counts as the F or B it may equal
-                    dep, own = None if lowered else done_b[s + 1], ends.get(kind)
+                    dep, own, lag = None if lowered else done_b[s + 1], ends.get(kind), 0.0
                     idle = kind not in BUSY_KINDS
                 if dep is None:
                     ready = floor
@@ -260,6 +275,8 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
                             ready.append(r)
                         floor, idle = 0.0, False
                         break
+                    if lag:
+                        ready += lag
                     if not ready > floor:
                         ready = floor
                 if timed:
@@ -285,7 +302,7 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
                     finish(done_b[s2], mb, t, r)
                     floor = 0.0
                 elif kind is send:
-                    leave(r, i, acts[i], t)
+                    leave(r, i, acts[i], t, begun[i] if timed else t)
                 else:
                     floor = 0.0
                 if i == reach:

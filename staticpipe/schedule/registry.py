@@ -16,6 +16,7 @@ from .actions import Action, Schedule, check_unranked_text
 from .dualpipe import dualpipe_v
 from .gpipe import f_then_b
 from .interleaved import interleaved
+from .latency import Comm, Latency, link_latency
 from .one_f_one_b import eager_one_f_one_b, one_f_one_b
 from .simulate import StageCosts, stage_cost_function
 from .v_shape import v_half, v_min
@@ -29,7 +30,8 @@ class ScheduleKind:
     layout: Callable[[int, int], list[int]]  # (ranks, chunks) -> rank of each stage
     split_backward: bool = False  # emits W actions
     chunks: int | None = 1  # stages per rank it needs; None: any number >= 1
-    cost_aware: bool = False  # generate takes a fourth argument: the F/B/W durations to plan with
+    # generate takes two more arguments: the F/B/W durations and the message latency to plan with
+    cost_aware: bool = False
     # (ranks -> the fewest micro-batches it runs, that rule in words), None: any number
     min_microbatches: tuple[Callable[[int], int], str] | None = None
 
@@ -39,10 +41,10 @@ def _one_chunk(generate: Callable[[int, int], Schedule]) -> Callable[[int, int, 
     return lambda num_ranks, num_microbatches, num_chunks: generate(num_ranks, num_microbatches)
 
 
-def _one_chunk_costed(generate: Callable[[int, int, Callable[[Action], float] | None], Schedule]
-                      ) -> Callable[..., Schedule]:
-    """``_one_chunk`` for cost-aware kinds: costs, when given, go through to the generator."""
-    return lambda num_ranks, num_microbatches, num_chunks, costs=None: generate(num_ranks, num_microbatches, costs)
+def _one_chunk_costed(generate: Callable[..., Schedule]) -> Callable[..., Schedule]:
+    """``_one_chunk`` for cost-aware kinds: costs and latency, when given, go through to the generator."""
+    return lambda num_ranks, num_microbatches, num_chunks, costs=None, latency=None: generate(
+        num_ranks, num_microbatches, costs, latency)
 
 
 def _round_robin(num_ranks: int, num_chunks: int) -> list[int]:
@@ -59,8 +61,8 @@ KINDS = {k.name: k for k in (
     ScheduleKind("interleaved", interleaved, _round_robin, chunks=None),
     ScheduleKind("ZB-H1", _one_chunk_costed(zb_h1), _round_robin, split_backward=True, cost_aware=True),
     ScheduleKind("ZB-V", _one_chunk_costed(zb_v), _v, split_backward=True, chunks=2, cost_aware=True),
-    ScheduleKind("V-Min", _one_chunk(v_min), _v, split_backward=True, chunks=2),
-    ScheduleKind("V-Half", _one_chunk(v_half), _v, split_backward=True, chunks=2),
+    ScheduleKind("V-Min", _one_chunk_costed(v_min), _v, split_backward=True, chunks=2, cost_aware=True),
+    ScheduleKind("V-Half", _one_chunk_costed(v_half), _v, split_backward=True, chunks=2, cost_aware=True),
     ScheduleKind("ZB-2P", _one_chunk_costed(zb_2p), _round_robin, split_backward=True, cost_aware=True),
     ScheduleKind("Eager1F1B", _one_chunk(eager_one_f_one_b), _round_robin,
                  min_microbatches=(lambda num_ranks: 2 * num_ranks - 1, "2 x devices - 1: stage 0's warm-up forwards, "
@@ -119,24 +121,39 @@ def check_costs(kind: ScheduleKind, costs: StageCosts | None, num_stages: int | 
     ``ValueError`` naming the schedule if it does not plan by costs, or the kind or value at fault."""
     if costs is None:
         return None
+    _check_cost_aware(kind, name)
+    return stage_cost_function(costs, num_stages, name)
+
+
+def check_comm(kind: ScheduleKind, comm: Comm, name: str = "comm") -> Latency | None:
+    """``comm`` (argument ``name``) as the latency ``kind`` plans with (``latency.link_latency``), None
+    where messages are free; ``ValueError`` naming the schedule if its order does not depend on it."""
+    latency = link_latency(comm, name)
+    if latency is not None:
+        _check_cost_aware(kind, name)
+    return latency
+
+
+def _check_cost_aware(kind: ScheduleKind, name: str) -> None:
     if not kind.cost_aware:
         aware = ", ".join(k.name for k in KINDS.values() if k.cost_aware)
         raise ValueError(f"{name} is for the schedules that plan by measured costs ({aware}); schedule "
                          f"{kind.name} does not use it")
-    return stage_cost_function(costs, num_stages, name)
 
 
 @gc_paused()
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: int = 1,
-                  costs: StageCosts | None = None) -> Schedule:
+                  costs: StageCosts | None = None, comm: Comm = None) -> Schedule:
     """The compute action lists (F, B, W, OPT) of schedule ``name``, keyed by rank. ``costs``: the
-    durations a cost-aware schedule plans with (see ``simulate.stage_cost_function``); None: unit."""
+    durations a cost-aware schedule plans with (see ``simulate.stage_cost_function``); None: unit.
+    ``comm``: the message latency it plans with (``latency.link_latency``); None: messages are free."""
     kind = get_kind(name)
     check_microbatches(num_microbatches)
     _check_count("num_ranks", num_ranks)
     _check_count("num_chunks", num_chunks)
     check_chunks(kind, num_ranks, num_chunks)
     duration = check_costs(kind, costs, num_ranks * num_chunks)
+    latency = check_comm(kind, comm)
     if kind.name == "interleaved" and num_microbatches % num_ranks:
         below = num_microbatches - num_microbatches % num_ranks
         use = " or ".join(str(n) for n in (below, below + num_ranks) if n > 0)
@@ -146,6 +163,8 @@ def make_schedule(name: str, num_ranks: int, num_microbatches: int, num_chunks: 
         least, rule = kind.min_microbatches[0](num_ranks), kind.min_microbatches[1]
         raise ValueError(f"schedule {kind.name} needs num_microbatches >= {least} on {num_ranks} "
                          f"device{'s' * (num_ranks != 1)} ({rule}); got {num_microbatches}")
+    if latency is not None:
+        return kind.generate(num_ranks, num_microbatches, num_chunks, duration, latency)
     if duration is not None:
         return kind.generate(num_ranks, num_microbatches, num_chunks, duration)
     return kind.generate(num_ranks, num_microbatches, num_chunks)

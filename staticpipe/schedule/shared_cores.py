@@ -13,16 +13,18 @@ messages are reported there, by the engine that explains them.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Callable, Collection
 
 from .actions import Action, Kind, Schedule
 from .execution import Event, _dependencies, first_opt_step, is_lowered
+from .latency import Latency
 
 EPS = 1e-12
 
 
 def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Action], float], cores: float,
-                   sharing: Collection[int], collectives: bool = False) -> list[Event]:
+                   sharing: Collection[int], collectives: bool = False, latency: Latency | None = None) -> list[Event]:
     """The (rank, action, start, end) of every action when the ranks in ``sharing`` share ``cores``
     processors and the others have one each.
 
@@ -31,7 +33,9 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
     visited only when what it waits for may have changed (its own action ended, the action or message it
     waits for is done, the optimizer barrier opened), in the order a visit of every rank would take, so
     the events are those of visiting all of them: at 64 ranks most are waiting, and visiting each at every
-    event made a large schedule cost seconds."""
+    event made a large schedule cost seconds. With a ``latency``, what crosses ranks is done for the
+    receiver only once it has arrived: an ``arrivals`` heap of (time, what), the moments it holds being
+    moments as action ends are."""
     if not cores > 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
     import numpy as np  # here: the schedule package loads without numpy
@@ -54,6 +58,12 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
     at_barrier = sum(1 for r in ranks if ptr[r] >= first_opt[r])
     events: list[Event] = []
     now = 0.0
+    rank_of = {a.stage: r for r, acts in schedule.items() for a in acts for a in a.halves()}
+    arrivals: list[tuple[float, tuple]] = []  # (when, what) of messages in flight
+
+    def lag(src_stage: int, dst_stage: int) -> float:
+        src, dst = rank_of.get(src_stage), rank_of.get(dst_stage)
+        return latency(src, dst) if latency is not None and src is not None and dst is not None and src != dst else 0.0
 
     def blocker(r: int, a: Action):
         """What the rank's next action ``a`` still waits for; None when it can start."""
@@ -61,7 +71,17 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
             return None if (a.route, a.microbatch) in done else (a.route, a.microbatch)
         if a.kind is Kind.OPT and collectives and ptr[r] == first_opt[r]:
             return None if at_barrier == len(ranks) else BARRIER
-        return next((d for d in _dependencies(a, num_stages, lowered) if d not in done), None)
+        waits = (ARRIVED + d if latency is not None and rank_of.get(d[1]) != r else d
+                 for d in _dependencies(a, num_stages, lowered))
+        return next((d for d in waits if d not in done), None)
+
+    def send(what: tuple, at: float, later: list[int], now_visit: list[int], current: int) -> None:
+        """``what`` is done for its receivers at ``at``: now, or once it arrives."""
+        if at <= now:
+            done.add(what)
+            wake(what, later, now_visit, current)
+        else:
+            heapq.heappush(arrivals, (at, what))
 
     def wake(what, later: list[int], now_visit: list[int], current: int) -> None:
         for q in waiting.pop(what, ()):
@@ -76,12 +96,15 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
         left[slot[r]] = np.inf
         busy -= r in sharing
         if a.kind is Kind.SEND:
-            done.add((a.route, a.microbatch))
-            wake((a.route, a.microbatch), later, now_visit, r)
+            peer = latency(r, rank_of[a.peer]) if latency is not None and a.peer in rank_of else 0.0
+            send((a.route, a.microbatch), max(now, events[-1][2] + peer), later, now_visit, r)
         elif a.kind is not Kind.RECV:
             for h in a.halves():
                 done.add(h.key)
                 wake(h.key, later, now_visit, r)
+                if latency is not None and not lowered and h.kind in (Kind.F, Kind.B):
+                    to = h.stage + 1 if h.kind is Kind.F else h.stage - 1  # the stage its output feeds
+                    send(ARRIVED + h.key, now + lag(h.stage, to), later, now_visit, r)
         was = ptr[r] >= first_opt[r]
         ptr[r] += 1
         if not was and ptr[r] >= first_opt[r]:
@@ -114,16 +137,23 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
                 if work <= EPS:
                     finish(r, later, visit)
             visit = later
-        if not running:
+        if not running and not arrivals:
             break  # every rank is done (``timeline`` has already ruled out a deadlock)
         if busy:
             rate[shares] = min(1.0, cores / busy)
-        step = float((left / rate).min())
+        step = float((left / rate).min()) if running else math.inf
+        if arrivals and arrivals[0][0] - now < step:
+            step = arrivals[0][0] - now
         now += step
         left -= rate * step
         for i in np.flatnonzero(left <= EPS * max(1.0, now)).tolist():  # in rank order
             finish(ranks[i], visit, visit)
+        while arrivals and arrivals[0][0] <= now:
+            what = heapq.heappop(arrivals)[1]
+            done.add(what)
+            wake(what, visit, visit, -1)
     return events
 
 
 BARRIER = "the first OPT of every rank"
+ARRIVED = ("arrived",)  # + an action's key: its output has reached the rank that reads it

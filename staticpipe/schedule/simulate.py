@@ -6,8 +6,6 @@ Each rank runs its list in order, every action as early as its dependency allows
 """
 from __future__ import annotations
 
-import math
-import numbers
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress, repeat
@@ -17,6 +15,7 @@ from typing import Callable, Collection, Iterable, Mapping, Sequence
 from ..gc_paused import gc_paused
 from .actions import Action, Kind, Schedule
 from .execution import BUSY_KINDS, Columns, Event, Timeline, columns_of, timeline
+from .latency import Comm, is_seconds, link_latency
 from .shared_cores import execute_shared
 
 UNIT_COSTS = {Kind.F: 1.0, Kind.B: 1.0, Kind.W: 1.0, Kind.OPT: 0.0, Kind.SEND: 0.0, Kind.RECV: 0.0}
@@ -61,15 +60,18 @@ def _cost_table(costs: None | Mapping[str, float]) -> dict[Kind, float]:
 
 @gc_paused()
 def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = None, *, cores: float | None = None,
-             sharing: Collection[int] | None = None, collectives: bool = False) -> Simulation:
+             sharing: Collection[int] | None = None, collectives: bool = False, comm: Comm = None) -> Simulation:
     """Simulate a compute-only or lowered schedule. ``num_stages`` defaults to the highest stage + 1.
 
     Without W actions, B is the whole backward: price it so (e.g. {"B": 2}) to compare with a
     split-backward schedule at F = B = W = 1. ``ScheduleError`` if the schedule deadlocks.
     ``cores``: the ranks in ``sharing`` (default: all) share this many processors (``shared_cores``:
     CPU stage threads on one machine); None: every rank has its own. ``collectives``: no rank starts
-    its first OPT before every rank has reached it (the runtime's step barrier).
+    its first OPT before every rank has reached it (the runtime's step barrier). ``comm``: the latency of a
+    message between two ranks (``latency.link_latency``: seconds, per link, or a function of the two
+    ranks), time in flight that occupies no rank; None or 0: messages are free.
     """
+    latency = link_latency(comm)
     stages: set[int] = set()
     columns: dict[int, Columns] = {}
     for r, acts in schedule.items():
@@ -77,13 +79,13 @@ def simulate(schedule: Schedule, costs: Costs = None, num_stages: int | None = N
         columns[r] = columns_of(acts)  # for the walk and the peaks, while the rank's actions are in cache
     num_stages = num_stages if num_stages is not None else max(stages, default=-1) + 1
     table = None if callable(costs) else _cost_table(costs)
-    walked = timeline(schedule, num_stages, costs if table is None else table, collectives, columns)
+    walked = timeline(schedule, num_stages, costs if table is None else table, collectives, columns, latency)
     if cores is None:
         busy = walked.busy
         spans, events = _walked(schedule, walked)
     else:
         produced = execute_shared(schedule, num_stages, cost_function(costs), cores,
-                                  set(schedule) if sharing is None else set(sharing), collectives)
+                                  set(schedule) if sharing is None else set(sharing), collectives, latency)
         busy, spans = _rank_times(schedule, produced)
         starts = list(map(itemgetter(2), produced))
         events = _by_start(sorted(produced, key=itemgetter(0)), lambda: produced, any(map(ne, starts, starts)))
@@ -216,7 +218,7 @@ def stage_cost_function(costs: StageCosts, num_stages: int | None = None,
             raise ValueError(f"unknown action kind {kind!r} in {name}; kinds: "
                              f"{', '.join(k.value for k in PLANNED_KINDS)}")
         values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not values or not all(map(_is_duration, values)):
+        if not values or not all(map(is_seconds, values)):
             raise ValueError(f"{name}[{kind!r}] must be seconds >= 0, or a list of them (one per stage); got {value!r}")
         if isinstance(value, (list, tuple)):
             if num_stages is not None and len(values) != num_stages:
@@ -230,6 +232,3 @@ def stage_cost_function(costs: StageCosts, num_stages: int | None = None,
         return per_stage[a.kind][a.stage] if a.kind in per_stage else same(a)
     return price
 
-
-def _is_duration(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
