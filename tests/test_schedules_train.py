@@ -314,6 +314,23 @@ def test_cost_aware_plan_trains_like_one_device(schedule, m, rank1, program_ir):
     assert " ".join(map(str, compute[1])) == rank1  # the cost-aware order, not the unit one
 
 
+@pytest.mark.parametrize("schedule", ["ZB-V", "V-Min", "V-Half", "ZB-2P"])
+def test_a_plan_made_for_costs_and_latency_trains_like_one_device(schedule, program_ir):
+    """The portfolio's order for these costs and this latency (not the unit plan) runs and trains as one
+    device does."""
+    devices = ["gpu:0", "gpu:1"] if schedule == "ZB-2P" else LAYOUTS[schedule]
+    costs, comm = {"F": 1, "B": 2, "W": 1}, 0.5
+    builder = partial(build_mlp, num_stages=len(devices), stage_devices=devices)
+    twin = train_twins(builder, momentum, num_microbatches=4, schedule=schedule, schedule_costs=costs,
+                       schedule_comm=comm)
+    assert_same_training(twin)
+    kind = staticpipe.schedule.get_kind(schedule)
+    planned = staticpipe.schedule.make_schedule(schedule, 2, 4, kind.chunks, costs, comm)
+    assert planned != staticpipe.schedule.make_schedule(schedule, 2, 4, kind.chunks)
+    assert {r: [a for a in acts if a.kind in (Kind.F, Kind.B, Kind.W)] for r, acts in twin.plan.actions.items()} == {
+        r: [a for a in acts if a.kind in (Kind.F, Kind.B, Kind.W)] for r, acts in planned.items()}
+
+
 def test_timeline_action_costs_are_each_actions_cpu_seconds():
     """On CPU devices an action's cost alone is its worker thread's CPU time from the end of the rank's
     action before to the end of this one and its upkeep (a micro-batch's scope freed after its last action):
