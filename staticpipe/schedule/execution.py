@@ -123,9 +123,9 @@ def timeline(schedule: Schedule, num_stages: int, duration: Callable[[Action], f
     ``duration`` prices an action; it may be a table of what each kind costs, looked up
     without a call per action, or None: nothing is timed (``validate``'s dry run, which only needs the
     errors; ``times`` is then None). ``columns``: each rank's ``columns_of``, made here if not given.
-``latency`` (``latency.py``): a message between two ranks arrives that long after it left -- an F or B
-waits for its input's end plus its link's latency (``f_lag``/``b_lag`` per stage), a RECV for its SEND's
-start plus it (and never before the SEND's end) -- occupying no rank; None: messages are free.
+    ``latency`` (``latency.py``): a message between two ranks arrives that long after it left -- an F or B
+    waits for its input's end plus its link's latency (``f_lag``/``b_lag`` per stage), a RECV for its SEND's
+    start plus it (and never before the SEND's end) -- occupying no rank; None: messages are free.
 
     Ranks are visited in turns, in rank order, each running as far as it can. A blocked rank is not
     looked at again until what it waits for is done: then in this turn if its place comes later, else
@@ -146,8 +146,10 @@ start plus it (and never before the SEND's end) -- occupying no rank; None: mess
     if columns is None:
         columns = {r: columns_of(acts) for r, acts in schedule.items()}
     lowered = _has_messages(c[0] for c in columns.values())
-    rank_of = {s: r for r, c in columns.items() for s in chain(c[1], (x for x in c[3] if x is not None))}
-    f_lag, b_lag = stage_lags(rank_of, num_stages, None if lowered else latency)  # all 0.0 without a latency
+    # stage -> rank, a pass over every action: only with a latency (without, every lag is 0.0)
+    rank_of = {s: r for r, c in columns.items() for s in chain(c[1], (x for x in c[3] if x is not None))
+               } if latency is not None else {}
+    f_lag, b_lag = stage_lags(rank_of, num_stages, None if lowered else latency)
     ranks = sorted(schedule)
     first_opt = {r: _first_opt(columns[r][0]) for r in ranks}
     times = {r: ([0.0] * len(schedule[r]), [0.0] * len(schedule[r])) for r in ranks} if timed else None

@@ -18,7 +18,7 @@ from typing import Callable, Collection
 
 from .actions import Action, Kind, Schedule
 from .execution import Event, _dependencies, first_opt_step, is_lowered
-from .latency import Latency
+from .latency import Latency, stage_lags
 
 EPS = 1e-12
 
@@ -58,12 +58,10 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
     at_barrier = sum(1 for r in ranks if ptr[r] >= first_opt[r])
     events: list[Event] = []
     now = 0.0
-    rank_of = {a.stage: r for r, acts in schedule.items() for a in acts for a in a.halves()}
+    # a pass over every action, so only with a latency: the stage -> rank map and each stage's input lags
+    rank_of = {a.stage: r for r, acts in schedule.items() for a in acts for a in a.halves()} if latency else {}
+    f_lag, b_lag = stage_lags(rank_of, num_stages, None if lowered else latency)
     arrivals: list[tuple[float, tuple]] = []  # (when, what) of messages in flight
-
-    def lag(src_stage: int, dst_stage: int) -> float:
-        src, dst = rank_of.get(src_stage), rank_of.get(dst_stage)
-        return latency(src, dst) if latency is not None and src is not None and dst is not None and src != dst else 0.0
 
     def blocker(r: int, a: Action):
         """What the rank's next action ``a`` still waits for; None when it can start."""
@@ -102,9 +100,10 @@ def execute_shared(schedule: Schedule, num_stages: int, duration: Callable[[Acti
             for h in a.halves():
                 done.add(h.key)
                 wake(h.key, later, now_visit, r)
-                if latency is not None and not lowered and h.kind in (Kind.F, Kind.B):
-                    to = h.stage + 1 if h.kind is Kind.F else h.stage - 1  # the stage its output feeds
-                    send(ARRIVED + h.key, now + lag(h.stage, to), later, now_visit, r)
+                if latency is not None and not lowered and h.kind in (Kind.F, Kind.B):  # as the stage it feeds reads it
+                    lag = (f_lag[h.stage + 1] if h.stage + 1 < num_stages else 0.0) if h.kind is Kind.F else (
+                        b_lag[h.stage - 1] if h.stage > 0 else 0.0)
+                    send(ARRIVED + h.key, now + lag, later, now_visit, r)
         was = ptr[r] >= first_opt[r]
         ptr[r] += 1
         if not was and ptr[r] >= first_opt[r]:
