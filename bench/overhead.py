@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
+from staticpipe.capabilities import cpu_model  # noqa: E402
 from staticpipe.plan import BACKWARD, FORWARD, OPTIMIZE  # noqa: E402
 from staticpipe.schedule import Kind  # noqa: E402
 from models import build_mlp  # noqa: E402
@@ -144,7 +145,7 @@ def main() -> None:
     wall: dict[str, list[float]] = {name: [] for name in configs}
     cpu: dict[str, list[float]] = {name: [] for name in configs}
     for step, *_ in configs.values():
-        for _ in range(14):  # warm-up: prepared programs, scopes, allocator; the "auto" trial (12 steps at most)
+        for _ in range(14):  # warm-up: prepared programs, scopes, allocator; the "auto" trial (7 steps at most)
             step()
     # interleaved rounds: a slow spell of the machine hits every configuration alike
     for _ in range(args.rounds):
@@ -156,7 +157,7 @@ def main() -> None:
     med = {name: statistics.median(t) for name, t in wall.items()}
     med_cpu = {name: statistics.mean(t) for name, t in cpu.items()}  # process_time ticks coarsely: mean
     plain_s = med["plain paddle Executor.run"]
-    print(f"MLP {args.depth} x {args.width}, batch {args.batch}, SGD, 1F1B, {os.cpu_count()} CPU cores, "
+    print(f"{cpu_model()}; MLP {args.depth} x {args.width}, batch {args.batch}, SGD, 1F1B, {os.cpu_count()} CPU cores, "
           f"{args.rounds} interleaved rounds (wall: median, CPU: mean)")
     print(f"{'configuration':<26} {'threads':>7} {'ms/step':>8} {'CPU ms':>7} {'over plain':>10} {'actions':>7} "
           f"{'µs/action wall':>14} {'µs/action CPU':>13}")

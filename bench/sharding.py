@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -61,15 +60,6 @@ def worker(out: str, shards: int, steps: int, d_model: int, layers: int) -> None
     exe.close()
 
 
-def cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} cores"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
@@ -80,7 +70,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args.shards, args.steps, args.d_model, args.layers)
-    print(f"bench/sharding.py on {cpu()}: GPT d_model {args.d_model} x {args.layers} layers, 2 stages x "
+    from staticpipe.capabilities import cpu_model
+    print(f"bench/sharding.py on {cpu_model()}, {os.cpu_count()} cores: GPT d_model {args.d_model} x {args.layers} layers, 2 stages x "
           f"{REPLICAS} replicas (8 processes), AdamW, {args.steps} steps")
     rows = {}
     for shards in (1, 2, 4):

@@ -21,6 +21,7 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
+from staticpipe.capabilities import cpu_model  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from paddle.base import core  # noqa: E402
 from models import build_mlp  # noqa: E402
@@ -38,7 +39,7 @@ def build(args, guarded: bool, microbatches: int, schedule: str = "1F1B"):
 
 def pipeline(args, microbatches: int, batch, schedule: str = "1F1B") -> Callable[[], None]:
     net = build(args, True, microbatches, schedule)
-    exe = staticpipe.Executor(threads_per_stage=1)
+    exe = staticpipe.Executor(threads_per_stage=1, worker_threads=None)  # a thread per stage, from the first step
     exe.run(net.startup)
     return lambda: exe.run(net.main, feed=batch, fetch_list=[net.loss])
 
@@ -66,8 +67,8 @@ def main() -> None:
     paddle.enable_static()
     batch = build_mlp(num_stages=2, guarded=False, in_dim=args.width, hidden=args.width,
                       depth=args.depth).random_batch(args.batch)
-    print(f"MLP {args.depth} x {args.width}, global batch {args.batch}, {args.microbatches} micro-batches of "
-          f"{args.batch // args.microbatches}, {os.cpu_count()} CPU cores, {args.steps} interleaved timed rounds")
+    print(f"{cpu_model()}; MLP {args.depth} x {args.width}, global batch {args.batch}, {args.microbatches} micro-batches "
+          f"of {args.batch // args.microbatches}, {os.cpu_count()} CPU cores, {args.steps} interleaved timed rounds")
     steps = {
         "pipeline 2 stages x 1 thread": pipeline(args, args.microbatches, batch),
         "unsplit, 1 thread": unsplit(args, 1, batch),

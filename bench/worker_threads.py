@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import staticpipe  # noqa: E402
+from staticpipe.capabilities import cpu_model  # noqa: E402
 import paddle  # noqa: E402  (after staticpipe, which settles Paddle's IR flag)
 from models import build_mlp  # noqa: E402
 
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=4)
     args = ap.parse_args()
     paddle.enable_static()
-    print(f"{os.cpu_count()} CPU cores, 1F1B over p={args.stages} stages; ratios against a thread per rank")
+    print(f"{cpu_model()}, {os.cpu_count()} CPU cores, 1F1B over p={args.stages} stages; ratios against a thread per rank")
     print(f"{'stages':<7} {'worker_threads':<18} {'threads':>7} {'ms/step':>9} {'CPU ms':>9} {'wall ratio':>10} "
           f"{'CPU ratio':>9}")
     for name, shape in SHAPES.items():
@@ -60,7 +61,7 @@ def main() -> None:
         made = {label: pipeline(args.stages, shape, n) for label, n in choices.items()}
         steps = {label: step for label, (step, _) in made.items()}
         for step in steps.values():
-            for _ in range(14):  # warm-up, and the "auto" trial (at most 4 rounds of 3 layouts: 12 steps)
+            for _ in range(14):  # warm-up, and the "auto" trial (7 steps at most)
                 step()
         wall = {label: [] for label in steps}
         cpu = {label: [] for label in steps}

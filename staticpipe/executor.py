@@ -42,9 +42,9 @@ class Executor:
     named get 1). ``worker_threads``: how many threads run the CPU stages. Ranks that share a thread take
     turns where one would wait for a message, in their action lists' order, so the values are the same
     for any number. 1 spends the least CPU (no thread wake-ups) and suits tiny stages; large stages step
-    faster on a thread each (None). "auto" (the default) tries a thread per rank, one per core and one
-    thread on each program's first steps (traced or checked ones do not count) and keeps the best
-    (``lanes`` tells which). ``trace`` records the start and end of every action; ``timeline`` returns
+    faster on a thread each (None). "auto" (the default) measures on each program's first steps the
+    layouts that may step faster (a thread per rank, one per core, one thread; traced or checked steps
+    do not count) and keeps the fastest, CPU breaking ties (``lanes`` tells which). ``trace`` records the start and end of every action; ``timeline`` returns
     the last step's.
     ``check_finite``: stop at the first NaN or Inf any op writes, with a ``NonFiniteError`` naming the stage,
     the action (so the micro-batch), the op and the variable (Paddle's ``FLAGS_check_nan_inf``, set for the

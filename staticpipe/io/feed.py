@@ -1,6 +1,7 @@
 """What a batch is: the spec of each feed variable, checked arrays, and the split into micro-batches."""
 from __future__ import annotations
 
+import functools
 import numbers
 import reprlib
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ class FeedSpec:
                 f"feed variable {self.name!r}: expected shape {list(self.shape)} (batch, ...), "
                 f"received shape {array.shape}"
             )
+        if array.dtype == self.dtype:  # (the usual case: nothing to convert)
+            return array
         if array.dtype.kind not in _ACCEPTED_KINDS.get(self.dtype.kind, self.dtype.kind):
             raise ValueError(f"feed variable {self.name!r}: expected dtype {self.dtype}, received {array.dtype}")
         return np.asarray(array, dtype=self.dtype)
@@ -152,7 +155,14 @@ def checked_batch(specs: Mapping[str, tuple[tuple[int, ...], str]], batch: Any, 
     if missing or extra:
         raise ValueError(f"{what} does not match the program's data variables: missing {missing}, "
                          f"unknown {extra}; expected {sorted(specs)}")
-    return {n: FeedSpec(n, specs[n][0], np.dtype(specs[n][1])).convert(v) for n, v in batch.items()}
+    return {n: _spec(n, tuple(specs[n][0]), specs[n][1]).convert(v) for n, v in batch.items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(name: str, shape: tuple[int, ...], dtype: str) -> FeedSpec:
+    """The ``FeedSpec`` of a data variable, made once: a frozen dataclass and a numpy dtype cost more to build
+    than the check itself, on every step."""
+    return FeedSpec(name, shape, np.dtype(dtype))
 
 
 def batch_rows(batch: Batch) -> int:

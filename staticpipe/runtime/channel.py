@@ -108,11 +108,12 @@ class InProcessChannel(Channel):
 
     def recv(self, key: Hashable, src_stage: int) -> Message:
         self.wake()
-        lane = lanes.current()
         with self._lock:
-            if key in self._box:
-                return self._box.pop(key)
+            message = self._box.pop(key, None)
+            if message is not None:  # (the usual case on one thread: sent before; no lane to look up)
+                return message
             self._check()
+            lane = lanes.current()
             self._waiting[key] = lane.waiter()
         while True:
             lane.give_way()  # until the send (or an abort) makes this rank ready

@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import functools
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -93,17 +94,19 @@ class Devices:
             return []
         return [i for i, d in enumerate(devices) if isinstance(self.place_of(d), core.CPUPlace)]
 
-    def run_lane(self, devices: list[str], jobs: list[Any], channel: Channel) -> list[lanes.Outcome]:
+    def run_lane(self, devices: list[str], jobs: list[Any], channel: Channel) -> tuple[list[lanes.Outcome], float]:
         """Run each device's worker's step on its job, all on the calling thread (a ``Lane``), each rank
-        with its device's intra-op thread budget; their outcomes, in order. An interrupt or error outside
-        the ranks' own steps aborts the channel, so that the other lanes stop too."""
+        with its device's intra-op thread budget; their outcomes, in order, and the thread's CPU seconds
+        (what the trial of thread layouts bounds other layouts by). An interrupt or error outside the
+        ranks' own steps aborts the channel, so that the other lanes stop too."""
+        cpu = time.thread_time()
         try:
             budgets = [self._budget(d) for d in devices]
             core.set_num_threads(budgets[0])  # 0.5 µs, and the caller may have changed it since
             calls = [(functools.partial(self.worker(d).run_step, job),
                       functools.partial(core.set_num_threads, b) if len(set(budgets)) > 1 else _nothing)
                      for d, job, b in zip(devices, jobs, budgets)]
-            return lanes.Lane().run(calls, lambda: channel.abort("interrupted"))
+            return lanes.Lane().run(calls, lambda: channel.abort("interrupted")), time.thread_time() - cpu
         except BaseException as exc:  # before or between its ranks: the other lanes must not wait for them
             channel.abort(str(exc) if isinstance(exc, Exception) else "interrupted")
             raise

@@ -28,6 +28,9 @@ class RankProgram:
     leftovers: dict[int, tuple[str, ...]]  # stage -> names a micro-batch leaves in its scope
     optimize_leftovers: dict[int, tuple[str, ...]]  # stage -> names its optimize section leaves in its scope
     first_optimizer: int | None = None  # the first stage of the rank's first run of OPT actions
+    # per action, what the worker's loop would otherwise work out every step: (action, the (stage, micro-batch)
+    # of its scope (None: OPT and FB, which have none or two), the scopes released after it (``last_use``))
+    steps: tuple[tuple[Action, tuple[int, int] | None, tuple[tuple[int, int], ...]], ...] = ()
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "RankProgram":
@@ -57,7 +60,9 @@ class RankProgram:
                                                      for name, persistable in declared(p) if not persistable}))
                               for a in actions if a.kind is Kind.OPT}
         first = next((a.stage for a in actions if a.kind is Kind.OPT), None)
-        return cls(actions, released, groups, leftovers, optimize_leftovers, first)
+        steps = tuple((a, None if a.kind in (Kind.OPT, Kind.FB) else (a.stage, a.microbatch), released.get(i, ()))
+                      for i, a in enumerate(actions))
+        return cls(actions, released, groups, leftovers, optimize_leftovers, first, steps)
 
 
 @dataclass

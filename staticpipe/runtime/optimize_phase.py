@@ -26,7 +26,7 @@ from ..ir import tensor_of
 from ..plan import SUM, Exchange, Run
 from ..schedule.actions import OPT
 from .channel import Channel
-from .errors import failing_as
+from .errors import PASSING_THROUGH, StageError, failing_as
 from .jobs import StepJob
 from .sharding import gather_parameters
 
@@ -63,11 +63,14 @@ def run_optimizers(worker: DeviceWorker, job: StepJob, stages: tuple[int, ...]) 
     waits: dict[int, Waiting] = {}
 
     def resume(stage: int, reply: Any = None) -> None:
-        with failing_as(stage, worker.device, OPT(stage), UPDATE_FAILED):
-            try:
-                waits[stage] = walks[stage].send(reply)
-            except StopIteration:
-                waits.pop(stage, None)
+        try:  # errors.failing_as, written out: a context manager costs more than the rest here
+            waits[stage] = walks[stage].send(reply)
+        except StopIteration:
+            waits.pop(stage, None)
+        except PASSING_THROUGH:
+            raise
+        except BaseException as exc:
+            raise StageError(stage, worker.device, OPT(stage), exc, UPDATE_FAILED) from exc
 
     for stage in stages:
         resume(stage)
@@ -89,8 +92,9 @@ def run_optimizers(worker: DeviceWorker, job: StepJob, stages: tuple[int, ...]) 
                                    f"{ {s: str(ex) for s, (ex, _) in waits.items()} }")
         ex = waits[receiver][0]
         resume(receiver, job.channel.recv(("opt", ex.index), ex.src))
-    with failing_as(stages[0], worker.device, OPT(stages[0]), UPDATE_FAILED):  # ZeRO-1: each shard's new values
-        gather_parameters(worker.scope, worker.place, job.channel, plan, stages)
+    if job.channel.sharding > 1:  # ZeRO-1: each shard's new values
+        with failing_as(stages[0], worker.device, OPT(stages[0]), UPDATE_FAILED):
+            gather_parameters(worker.scope, worker.place, job.channel, plan, stages)
 
 
 def _walk(worker: DeviceWorker, job: StepJob, stage: int, sent: set[int]) -> Generator[Waiting, Any, None]:

@@ -23,6 +23,7 @@ from ..io import batch_rows, checked_batch, split_microbatches
 from ..ir import as_fetched, as_float, declared_var
 from ..placement import generic_place
 from ..plan import FORWARD, FORWARD_ONLY, OPTIMIZE, PER_MICROBATCH, Plan
+from ..schedule import Kind
 from .devices import Devices
 from . import state
 from .errors import NonFiniteError, PipelineAborted, StageError
@@ -45,6 +46,7 @@ class StepRunner:
         self._scaled: dict[Plan, bool] = {}  # plan -> whether it scales its loss (``scales_loss``)
         self._local: dict[Plan, list] = {}  # plan -> the stages this process runs
         self._prepared: set[tuple] = set()  # (plan, fetch lists) whose runs are prepared
+        self._located: dict[tuple, tuple[dict, dict]] = {}  # (plan, fetch list) -> _locate_fetches of it
         self._choices: dict[Plan, ThreadChoice] = {}  # plan -> its trial of thread layouts (worker_threads="auto")
 
     def micro_batch_size(self, plan: Plan) -> int | None:
@@ -85,8 +87,10 @@ class StepRunner:
         if expected is not None and size != expected:
             raise ValueError(_size_mismatch(plan, size, expected, plan.micro_batch_size is not None))
         feeds = {st.index: [{n: mb[n] for n in st.sections[FORWARD].feeds} for mb in micro] for st in plan.stages}
-        outliving = [n for n in plan.outliving if n not in fetch]  # left in their stages' scopes after the step
-        where, persist = _locate_fetches(plan, fetch + outliving)
+        key = (plan, tuple(fetch))
+        if key not in self._located:  # once per fetch list; outliving: values left in their stages' scopes
+            self._located[key] = _locate_fetches(plan, fetch + [n for n in plan.outliving if n not in fetch])
+        where, persist = self._located[key]
         shapes = [tuple(mb[n].shape for n in sorted(mb)) for mb in micro]
         fetched = self._run_actions(plan, feeds, where, size if training else None, shapes)
         if training:  # the update is applied: the step counts, whatever merging the fetches does
@@ -171,19 +175,26 @@ class StepRunner:
 
     def lanes(self, plan: Plan) -> list[list[str]]:
         """The devices that each thread runs in ``plan``'s next step (of this process's ranks)."""
-        devices = [plan.ranks[rank] for rank in sorted({s.rank for s in self.devices.local_stages(plan)})]
+        devices = [plan.ranks[rank] for rank in self._local_ranks(plan)]
         return [[devices[i] for i in lane] for lane in self.devices.lanes_of(devices, self._threads(plan, devices)[0])]
+
+    def _local_ranks(self, plan: Plan) -> list[int]:
+        return sorted({s.rank for s in self.devices.local_stages(plan)})
 
     def _threads(self, plan: Plan, devices: list[str], shapes: tuple | None = None
                  ) -> tuple[int | None, ThreadChoice | None]:
         """How many threads run the plan's CPU ranks in its next step (of micro-batch ``shapes``; None: any
-        the trial takes), and the trial the step counts in (``thread_choice.py``), if any."""
+        the trial takes), and the trial the step counts in (``thread_choice.py``), if any. ``devices``:
+        the local ranks' devices, in rank order."""
         setting = self.devices.worker_threads
         if setting != "auto":
             return setting, None
         choice = self._choices.get(plan)
         if choice is None:
-            choice = self._choices[plan] = ThreadChoice(len(self.devices.shareable(devices)), cores(), ", ".join(devices))
+            ranks = len(self.devices.shareable(devices))
+            layouts = {n: self.devices.lanes_of(devices, n) for n in {max(ranks, 1), max(min(ranks, cores()), 1), 1}}
+            messages = [sum(a.kind in (Kind.SEND, Kind.RECV) for a in plan.actions[r]) for r in self._local_ranks(plan)]
+            choice = self._choices[plan] = ThreadChoice(layouts, messages, cores(), ", ".join(devices))
         counts = not (self.trace or self.check_finite) and choice.counts(choice.shapes if shapes is None else shapes)
         return choice.threads(counts), choice if counts else None
 
@@ -204,13 +215,13 @@ class StepRunner:
             for devices, lane_jobs in lanes:
                 futures.append(future := cf.Future())  # ours before the hand-off, which an interrupt may cut short
                 self.devices.submit(devices, future, self.devices.run_lane, devices, lane_jobs, channel)
-            outcomes, failure = [], None
+            outcomes, failure, lane_cpu = [], None, []
             if here is not None:
                 try:
-                    outcomes += self.devices.run_lane(*here, channel)
+                    outcomes += _outcomes(self.devices.run_lane(*here, channel), lane_cpu)
                 except BaseException as exc:  # an interrupt between its ranks: they have stopped, the others stop too
                     failure = exc
-            results = _wait(futures, channel, failure, outcomes)
+            results = _wait(futures, channel, failure, outcomes, lane_cpu)
             channel.flush()  # a step's messages are all received within the step
             if trial is not None:
                 took = time.perf_counter() - start, time.process_time() - start_cpu
@@ -227,7 +238,7 @@ class StepRunner:
                 raise non_finite from exc
             raise
         if trial is not None:  # (after the step's own error handling: a step that ran to its end counts)
-            trial.measured(threads, shapes, *took)
+            trial.measured(threads, shapes, *took, lane_cpu)
             if trial.chosen is not None:
                 self.devices.retire_threads(self.lanes(plan))
         fetched: dict[str, list] = {}
@@ -275,7 +286,7 @@ class StepRunner:
             return [np.array(v) for v in values]
         if len(values) == 1:  # one micro-batch: its value is the mean, sum, max and min (np.stack costs 10 µs)
             return as_fetched(as_float(values[0], dtype), values[0], dtype)
-        numbers = np.stack([as_float(v, dtype) for v in values])
+        numbers = as_float(np.stack(values), dtype)  # (once, not per value: its dtype test is a call into Paddle)
         combine = {"sum": np.sum, "max": np.max, "min": np.min}.get(how, np.mean)
         return as_fetched(combine(numbers, axis=0), values[0], dtype)
 
@@ -323,11 +334,12 @@ def _locate_fetches(plan: Plan, fetch: list[str]) -> tuple[dict, dict]:
     return where, persist
 
 
-def _wait(futures: list[cf.Future], channel, failure: BaseException | None, outcomes: list) -> list[StepResult]:
+def _wait(futures: list[cf.Future], channel, failure: BaseException | None, outcomes: list, lane_cpu: list[float]
+          ) -> list[StepResult]:
     """Wait for every lane (a failing rank has aborted the channel, so the others stop at their next
     receive) and raise the failed rank's error, not the others' ``PipelineAborted``; ``failure``: the
-    calling thread's own lane's, ``outcomes``: its ranks' (result, exception). An interrupt while waiting
-    is the caller's to handle (``_settle``).
+    calling thread's own lane's, ``outcomes``: its ranks' (result, exception). Each lane's thread CPU is
+    added to ``lane_cpu``. An interrupt while waiting is the caller's to handle (``_settle``).
 
     The channel is aborted here too on ``failure``: a rank aborts it itself, but not an interrupt that
     comes before its ``try`` (the other ranks would wait for its messages for ever).
@@ -340,13 +352,19 @@ def _wait(futures: list[cf.Future], channel, failure: BaseException | None, outc
     for f in futures:
         exc = f.exception()
         if exc is None:
-            outcomes += f.result()
+            outcomes += _outcomes(f.result(), lane_cpu)
         else:
             errors.append(exc)
     errors += [e for _, e in outcomes if e is not None]
     if errors:
         raise next((e for e in errors if not isinstance(e, PipelineAborted)), errors[0])
     return [r for r, _ in outcomes]
+
+
+def _outcomes(lane: tuple[list, float], lane_cpu: list[float]) -> list:
+    """The outcomes of a lane's ranks (``Devices.run_lane``), its thread's CPU added to ``lane_cpu``."""
+    lane_cpu.append(lane[1])
+    return lane[0]
 
 
 def _settle(futures: list[cf.Future], channel) -> None:

@@ -10,7 +10,6 @@ never reads an op to learn what to send.
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +24,6 @@ from .jobs import RankProgram, StepJob, StepResult
 from .optimize_phase import run_optimizers
 from .pir_runs import PirRuns
 
-SECTION_OF = {Kind.F: FORWARD, Kind.B: BACKWARD, Kind.W: WEIGHT}
-
-
 @dataclass
 class MemoryStats:
     """Activations a stage holds between a micro-batch's forward and its backward."""
@@ -41,8 +37,10 @@ class MemoryStats:
     def add(self, nbytes: int, microbatches: int) -> None:
         self.inflight_bytes += nbytes
         self.inflight_microbatches += microbatches
-        self.peak_bytes = max(self.peak_bytes, self.inflight_bytes)
-        self.peak_microbatches = max(self.peak_microbatches, self.inflight_microbatches)
+        if self.inflight_bytes > self.peak_bytes:  # (two max() calls cost more: this runs twice per forward)
+            self.peak_bytes = self.inflight_bytes
+        if self.inflight_microbatches > self.peak_microbatches:
+            self.peak_microbatches = self.inflight_microbatches
 
 
 class DeviceWorker:
@@ -58,6 +56,7 @@ class DeviceWorker:
         self.device_memory = MemoryStats()  # all its stages at once (the peaks of a V's two stages need not meet)
         self._held: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> bytes kept after its forward
         self._sizes: dict[tuple[Section, tuple], tuple[int, int]] = {}  # see _held_bytes
+        self._settled: dict[tuple[Section, tuple], int] = {}  # see _held_bytes
         self._pir: PirRuns | None = None  # the runs of PIR section programs, made on first use
 
     # --- runs ---------------------------------------------------------------------------------------
@@ -117,20 +116,24 @@ class DeviceWorker:
         lane = lanes.current() if record is not None else None  # a rank's CPU leaves out its lane's others'
         cpu = time.thread_time() - lane.away_cpu() if lane is not None else 0.0
         try:
-            for i, action in enumerate(program.actions):
+            for action, key, released in program.steps:
                 started = time.perf_counter() if record is not None else 0.0
                 try:  # errors.failing_as, written out: a context manager per action cost more than the rest
-                    if action.kind is Kind.OPT:
-                        group = program.optimizer_groups.get(action.stage)
-                        if group is not None:  # the first of the rank's OPT actions runs them all
-                            run_optimizers(self, job, group)
-                    elif action.kind is Kind.FB:
-                        self._compute_pair(job, action, [self._scope(scopes, h) for h in action.halves()], result)
+                    if key is None:
+                        if action.kind is Kind.OPT:
+                            group = program.optimizer_groups.get(action.stage)
+                            if group is not None:  # the first of the rank's OPT actions runs them all
+                                run_optimizers(self, job, group)
+                        else:
+                            self._compute_pair(job, action, [self._scope(scopes, h) for h in action.halves()], result)
                     else:
-                        scope = self._scope(scopes, action)
-                        if action.kind is Kind.RECV:
+                        scope = scopes.get(key)
+                        if scope is None:
+                            scope = scopes[key] = self.borrow_scope()
+                        kind = action.kind
+                        if kind is Kind.RECV:
                             self._recv(job, action, scope)
-                        elif action.kind is Kind.SEND:
+                        elif kind is Kind.SEND:
                             self._send(job, action, scope)
                         else:
                             self._compute(job, action, scope, result)
@@ -138,15 +141,15 @@ class DeviceWorker:
                     raise
                 except BaseException as exc:
                     raise StageError(action.stage, self.device, action, exc) from exc
-                for stage, mb in program.last_use.get(i, ()):
-                    self._release(program, stage, mb, scopes.pop((stage, mb)))
+                for done in released:
+                    self._release(program, done, scopes.pop(done))
                 if record is not None:  # the thread's CPU since the last record: the action and its upkeep
                     ended, spent = time.perf_counter(), time.thread_time() - lane.away_cpu()
                     record(action, started, ended, spent - cpu)
                     cpu = spent
         finally:  # a failed step leaves no half-used micro-batch scope behind
-            for (stage, mb), scope in scopes.items():
-                self._release(program, stage, mb, scope)
+            for key, scope in scopes.items():
+                self._release(program, key, scope)
         return result
 
     def _scope(self, scopes: dict[tuple[int, int], core._Scope], a: Action) -> core._Scope:
@@ -162,36 +165,31 @@ class DeviceWorker:
 
     def _send(self, job: StepJob, a: Action, scope: core._Scope) -> None:
         route = job.plan.routes[a.route]
-        dst = job.places[route.dst.stage]
+        dst, size = job.places[route.dst.stage], job.micro_batch_size
         message = {}
         for var in route.vars:
             tensor = tensor_of(scope, var.name, a)
-            _check_cut(var, tensor, job.micro_batch_size)
+            _check_cut(var, tensor, size)
             message[var.name] = tensor._copy(dst)
         job.channel.send((a.route, a.microbatch), message, a.peer)
 
     def _compute(self, job: StepJob, a: Action, scope: core._Scope, result: StepResult) -> None:
-        kind = SECTION_OF[a.kind]
-        section = job.plan.stages[a.stage].sections[kind]
-        if a.kind is Kind.F:
-            for name, value in job.feeds[a.stage][a.microbatch].items():
-                scope.var(name).get_tensor().set(value, self.place)
-        names = job.fetch.get((a.stage, kind), ())
+        stage, forward = a.stage, a.kind is Kind.F
+        kind = FORWARD if forward else BACKWARD if a.kind is Kind.B else WEIGHT  # (a dict by Kind: hashed in Python)
+        section = job.plan.stages[stage].sections[kind]
+        if forward and section.feeds:
+            place = self.place
+            for name, value in job.feeds[stage][a.microbatch].items():
+                scope.var(name).get_tensor().set(value, place)
+        names = job.fetch.get((stage, kind), ())
         job.channel.wake()  # the messages sent before: their receivers wake as this thread leaves the GIL
         self.execute(section.run, scope, names)
-        if a.kind is Kind.F and job.check_forwards:
-            made = section.run.keep + names + ((job.plan.loss,) if job.plan.producers.get(job.plan.loss) is not None
-                                               and job.plan.producers[job.plan.loss].stage == a.stage else ())
-            check_finite_values(section.run.program, scope, dict.fromkeys(made))
-        if a.kind is Kind.F:
-            held = self._held[(a.stage, a.microbatch)] = self._held_bytes(job, section, a.microbatch, scope)
-            stats = self.memory.get(a.stage)
-            if stats is None:  # (setdefault would build a MemoryStats on every forward)
-                stats = self.memory[a.stage] = MemoryStats()
-            stats.add(held, 1)
-            self.device_memory.add(held, 1)
-            if stats.step_value_bytes is None:  # once: their sizes are the parameters'
-                stats.step_value_bytes = sum(tensor_bytes(self.scope, n) for n in job.plan.stages[a.stage].step_values)
+        if forward:
+            if job.check_forwards:
+                loss = job.plan.producers.get(job.plan.loss)
+                made = section.run.keep + names + ((job.plan.loss,) if loss is not None and loss.stage == stage else ())
+                check_finite_values(section.run.program, scope, dict.fromkeys(made))
+            self._hold(job, section, a.microbatch, scope)
         for name in names:
             result.fetched.setdefault(name, []).append(np.array(tensor_of(scope, name, a)))
 
@@ -203,24 +201,43 @@ class DeviceWorker:
             with failing_as(half.stage, self.device, pair):
                 self._compute(job, half, scope, result)
 
-    def _held_bytes(self, job: StepJob, forward: Section, microbatch: int, scope: core._Scope) -> int:
-        """Bytes ``forward`` left in ``scope`` for the backward. Why not always measured: it costs a few
-        calls into Paddle per kept value (12 µs for 7 values), on the critical path of every forward. So
-        for each set of data shapes (a sequence length may vary from batch to batch), the first
-        ``MEASURED_STEPS`` steps' forwards are measured; if they all agree the size is reused, and a stage
-        whose kept sizes vary at equal data shapes (ops whose output size depends on the values) is
-        measured on every forward."""
+    def _hold(self, job: StepJob, forward: Section, microbatch: int, scope: core._Scope) -> None:
+        """Count what ``forward`` left in ``scope`` for the backward in the stage's and the device's
+        activation memory until the micro-batch's scope is released."""
+        stage = forward.stage
         key = (forward, job.shapes[microbatch])
+        held = self._settled.get(key)
+        if held is None:
+            held = self._held_bytes(job, key, scope)
+        self._held[(stage, microbatch)] = held
+        stats = self.memory.get(stage)
+        if stats is None:  # (setdefault would build a MemoryStats on every forward)
+            stats = self.memory[stage] = MemoryStats()
+        stats.add(held, 1)
+        self.device_memory.add(held, 1)
+        if stats.step_value_bytes is None:  # once: their sizes are the parameters'
+            stats.step_value_bytes = sum(tensor_bytes(self.scope, n) for n in job.plan.stages[stage].step_values)
+
+    def _held_bytes(self, job: StepJob, key: tuple[Section, tuple], scope: core._Scope) -> int:
+        """Bytes the forward of ``key`` (forward section, data shapes) left in ``scope`` for the backward.
+        Why not always measured: it costs a few calls into Paddle per kept value (12 µs for 7 values), on
+        the critical path of every forward. So for each set of data shapes (a sequence length may vary
+        from batch to batch), the first ``MEASURED_STEPS`` steps' forwards are measured; if they all agree
+        the size is settled (``_settled``, one look-up from then on), and a stage whose kept sizes vary at
+        equal data shapes (ops whose output size depends on the values) is measured on every forward."""
         known, seen = self._sizes.get(key, (None, 0))
-        if known is not None and known != VARYING and seen >= MEASURED_STEPS * job.plan.num_microbatches:
-            return known
-        held = sum(tensor_bytes(scope, n) for n in forward.keep)
-        self._sizes[key] = (held if known is None else known if held == known else VARYING, seen + 1)
+        held = sum(tensor_bytes(scope, n) for n in key[0].keep)
+        known = held if known is None else known if held == known else VARYING
+        self._sizes[key] = (known, seen + 1)
+        if known != VARYING and seen + 1 >= MEASURED_STEPS * job.plan.num_microbatches:
+            self._settled[key] = known
         return held
 
-    def _release(self, program: RankProgram, stage: int, microbatch: int, scope: core._Scope) -> None:
-        """Erase what a micro-batch left in its scope, so a reused scope can never serve stale values."""
-        held = self._held.pop((stage, microbatch), None)
+    def _release(self, program: RankProgram, key: tuple[int, int], scope: core._Scope) -> None:
+        """Erase what the (stage, micro-batch) ``key`` left in its scope, so a reused scope can never serve
+        stale values."""
+        stage = key[0]
+        held = self._held.pop(key, None)
         if held is not None:
             self.memory[stage].add(-held, -1)
             self.device_memory.add(-held, -1)
@@ -238,6 +255,7 @@ class DeviceWorker:
         self._pir = None
         self._free.clear()
         self._sizes.clear()
+        self._settled.clear()
         self._held.clear()
         scope, self.scope = self.scope, None  # a later use fails in Python, not on freed memory
         free_scope(scope)
@@ -254,7 +272,10 @@ class DeviceWorker:
 
 VARYING = -1  # held bytes that differ between micro-batches: measured every time
 MEASURED_STEPS = 2
-_numpy_name = functools.lru_cache(maxsize=None)(np_dtype)  # Paddle's conversion costs microseconds, per message
+# (Paddle dtype enum, its code) -> numpy name. Why keyed by int(dtype): Paddle's conversion costs microseconds,
+# and so does hashing and comparing its enum (a cache keyed by it took 2 µs per message, this 1 µs); the enum's
+# type too, as Paddle has two numberings (VarType, DataType)
+_NUMPY_NAMES: dict[tuple[type, int], str] = {}
 
 
 def _check_cut(var: CutVar, tensor: core.LoDTensor, micro_batch_size: int | None) -> None:
@@ -264,6 +285,10 @@ def _check_cut(var: CutVar, tensor: core.LoDTensor, micro_batch_size: int | None
     if got != want and (len(got) != len(want) or any(w not in (-1, g) for w, g in zip(want, got))):
         raise ValueError(f"cut variable '{var.name}' has shape {list(got)}, but the plan compiled "
                          f"{list(want)}")
-    dtype = _numpy_name(tensor._dtype())
+    code = tensor._dtype()
+    key = (type(code), int(code))
+    dtype = _NUMPY_NAMES.get(key)
+    if dtype is None:
+        dtype = _NUMPY_NAMES[key] = np_dtype(code)
     if dtype != var.dtype:
         raise ValueError(f"cut variable '{var.name}' has dtype {dtype}, but the plan compiled {var.dtype}")
