@@ -106,7 +106,8 @@ class Devices:
             calls = [(functools.partial(self.worker(d).run_step, job),
                       functools.partial(core.set_num_threads, b) if len(set(budgets)) > 1 else _nothing)
                      for d, job, b in zip(devices, jobs, budgets)]
-            return lanes.Lane().run(calls, lambda: channel.abort("interrupted")), time.thread_time() - cpu
+            lane = lanes.Lane(timed=any(job.record is not None for job in jobs))  # a traced step's
+            return lane.run(calls, lambda: channel.abort("interrupted")), time.thread_time() - cpu
         except BaseException as exc:  # before or between its ranks: the other lanes must not wait for them
             channel.abort(str(exc) if isinstance(exc, Exception) else "interrupted")
             raise

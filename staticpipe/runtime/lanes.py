@@ -41,7 +41,8 @@ class Lane:
     """One OS thread's ranks. ``run`` runs calls as greenlets until every one is done; the ready queue
     and the parked flag are shared with other threads' senders, under the lane's lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, timed: bool = False) -> None:
+        self._timed = timed  # keep ``away_cpu`` (a traced step's): two system calls per wait, so only then
         self._lock = allocate_lock()
         self._ready: deque = deque()  # greenlets made ready by a message (or an abort)
         self._parked = False  # the thread sleeps on ``_wake`` (taken while awake)
@@ -77,6 +78,9 @@ class Lane:
         if self._hub is None:
             self._wake.acquire(True, POLL_S)
             return
+        if not self._timed:
+            self._hub.switch()
+            return
         cpu = time.thread_time()
         self._hub.switch()
         me = greenlet.getcurrent()  # (not held across the switch: a suspended frame holding its own greenlet)
@@ -84,7 +88,7 @@ class Lane:
 
     def away_cpu(self) -> float:
         """The thread CPU seconds other ranks of the lane have spent while the calling rank gave way (a
-        traced action's own CPU excludes it)."""
+        traced action's own CPU excludes it), kept by a lane made ``timed``."""
         return self._away.get(greenlet.getcurrent(), 0.0)
 
     def run(self, calls: list[tuple[Callable[[], Any], Callable[[], None]]], interrupted: Callable[[], None]
