@@ -9,6 +9,7 @@ source's error, and a sender thread writes them out, so that the source runs ``c
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -130,6 +131,8 @@ def _produce(source: Callable[[], Iterable[Item]], init: Callable[[], None] | No
              label: str, parent: int) -> None:
     """The child: sends ``("item", item)`` for each item of ``source()``, then ``("end", None)``, or the
     failure that ended it (``_failure``)."""
+    gc.freeze()  # what the parent left unreachable is never collected here: its finalizers (Paddle scopes, other
+    # threads' greenlets) would run on a copy of the parent's state without its threads, and crashed the child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then stops this child
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Paddle's handler would print a crash report on close()
     outbox: queue.Queue = queue.Queue(capacity)
