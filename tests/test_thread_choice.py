@@ -199,7 +199,7 @@ def test_the_executor_tries_the_layouts_then_keeps_the_fastest(caplog, monkeypat
     told = [r.getMessage() for r in caplog.records if "thread(s) from now on" in r.getMessage()]
     assert told == [f"staticpipe: the CPU ranks of gpu:0, gpu:1 run on {kept} thread(s) from now on (fastest step, ms "
                     f"of wall / CPU, on each number of threads tried: {{2: '{walls[2] * 1e3:.3g} / 1', 1: "
-                    f"'{walls[1] * 1e3:.3g} / 1'}}; not tried, as they cannot step faster: none)"]
+                    f"'{walls[1] * 1e3:.3g} / 1'}}; not tried, ruled out by their bound or by one thread's lead: none)"]
 
 
 @pytest.mark.parametrize("executor", [dict(trace=True), dict(check_finite=True)])

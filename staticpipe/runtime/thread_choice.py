@@ -140,8 +140,8 @@ class ThreadChoice:
     def _choose(self) -> None:
         self.chosen = self._fastest()
         log.info("staticpipe: the CPU ranks of %s run on %d thread(s) from now on (fastest step, ms of wall / CPU, "
-                 "on each number of threads tried: %s; not tried, as they cannot step faster: %s)", self.devices,
-                 self.chosen, {n: f"{min(w) * 1e3:.3g} / {min(self.cpus[n]) * 1e3:.3g}" for n, w in self.walls.items()},
+                 "on each number of threads tried: %s; not tried, ruled out by their bound or by one thread's lead: "
+                 "%s)", self.devices, self.chosen, {n: f"{min(w) * 1e3:.3g} / {min(self.cpus[n]) * 1e3:.3g}" for n, w in self.walls.items()},
                  [n for n in self.candidates if n not in self.walls] or "none")
 
 
