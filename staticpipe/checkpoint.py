@@ -7,7 +7,9 @@ A checkpoint is a directory:
 - ``model.pdopt``: the optimizer state (accumulators, the learning-rate variable) in the same form;
 - ``meta.json``: ``format`` (2), ``step`` (the global step), ``lr_scheduler`` (the scheduler's
   ``state_dict``, or null) and ``files``: each of the two files above as ``{"sha256": hex, "bytes": size}``
-  (a ``files`` without ``model.pdopt`` would mean a checkpoint without optimizer state).
+  (a ``files`` without ``model.pdopt`` would mean a checkpoint without optimizer state); where
+  ``train_from_dataset`` wrote it, also ``data``: where each process's data stood, in rank order
+  (``train/resume.py``), and ``job``: the id of the launch that wrote it (null outside one).
 A directory without ``meta.json``, as ``paddle.static.save(program, "<dir>/model")`` writes it, loads too:
 as step 0, both files required, without checksums to verify.
 
@@ -24,12 +26,15 @@ import copy
 import json
 import os
 import warnings
+from dataclasses import asdict
 from typing import Any, Protocol
 
 from . import pickled_arrays
 from ._paddle import framework, np
 from .atomic import atomic_directory, recover_directory
+from .io.position import Position
 from .ir import np_dtype, program_view
+from .placement import launched_world
 
 
 
@@ -40,6 +45,8 @@ class StateHolder(Protocol):
     global_step: int
 
     def gathered_state_dict(self, program: framework.Program) -> dict[str, np.ndarray] | None: ...
+
+    def gathered_positions(self, program: framework.Program, mine: dict | None) -> list[dict | None] | None: ...
 
     def set_state_dict(self, program: framework.Program, values: dict[str, Any], strict: bool = True) -> None: ...
 
@@ -58,7 +65,8 @@ def _state_vars(program: framework.Program) -> tuple[dict[str, tuple], dict[str,
     return params, others
 
 
-def save(program: framework.Program, path: str, exe: StateHolder, step: int | None = None) -> bool:
+def save(program: framework.Program, path: str, exe: StateHolder, step: int | None = None, loader: Any = None,
+         data: dict[str, Any] | None = None, job: str | None = None) -> bool:
     """Write every parameter and optimizer state of ``program`` (gathered from all stages) to the directory
     ``path``, with the global step (default: the executor's) and the learning-rate scheduler's state,
     replacing a checkpoint already there. An existing ``path`` that is a file, a symbolic link, or a
@@ -66,11 +74,24 @@ def save(program: framework.Program, path: str, exe: StateHolder, step: int | No
 
     In a job of several processes every process calls it: the ranks of the first replica send their
     stages' state to rank 0, which alone writes (``path`` must be where every rank can read it back).
+    ``loader``: record where its data stands (``DataLoader.position()``), every process its own loader's;
+    ``data`` (``train_from_dataset``'s): such a position as JSON values; ``job``: the launch writing it.
     Returns whether this process wrote."""
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise ValueError(f"step must be an integer >= 0 (or None: the executor's global step), got {step!r}")
     step = exe.global_step if step is None else step
+    if loader is not None:
+        if data is not None:
+            raise ValueError("save takes a loader or data (a position), not both")
+        data = asdict(loader.position())
     state = exe.gathered_state_dict(program)
+    positions = exe.gathered_positions(program, data)  # every process takes part, with a position or without
+    if positions is not None and any(p is None for p in positions):
+        if any(p is not None for p in positions):
+            raise ValueError(f"save: processes {[r for r, p in enumerate(positions) if p is None]} gave no loader "
+                             f"(or data) and {[r for r, p in enumerate(positions) if p is not None]} did: every "
+                             "process gives its own loader, or none does")
+        positions = None
     if state is None:
         return False  # rank 0 writes
     params, others = _state_vars(program)
@@ -79,15 +100,20 @@ def save(program: framework.Program, path: str, exe: StateHolder, step: int | No
         files = {name: pickled_arrays.write(os.path.join(tmp, name), {n: state[n] for n in names if n in state})
                  for name, names in ((PARAMS, params), (OPT, others))}
         meta = {"format": FORMAT, "step": step,
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None, "files": files}
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None, "files": files,
+                "data": positions, "job": job}
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(meta, f, default=_jsonable, indent=1)
     return True
 
 
-def load(program: framework.Program, path: str, exe: StateHolder) -> dict[str, Any]:
+def load(program: framework.Program, path: str, exe: StateHolder, loader: Any = None,
+         with_position: bool = False) -> dict[str, Any]:
     """Load a checkpoint written by ``save`` (or by ``paddle.static.save`` into a directory layout) into
-    every stage of ``program``; returns its meta data (``step``, ``lr_scheduler``, ``files``).
+    every stage of ``program``; returns its meta data (``step``, ``lr_scheduler``, ``files``, ``data``).
+    ``loader``: it goes on where this process's data stood (``DataLoader.resume_from``), and the meta data's
+    ``position`` is that ``Position`` (its ``epoch``: the epoch to go on with; ``ended``: the one after);
+    ``with_position``: the meta data's ``position`` too (None if the checkpoint records none).
 
     Nothing changes unless everything fits: a missing, truncated or altered file, a corrupt ``meta.json``,
     a pickle naming anything but numpy's arrays, or a checkpoint of another program (the lists of missing,
@@ -106,15 +132,36 @@ def load(program: framework.Program, path: str, exe: StateHolder) -> dict[str, A
     params, others = _state_vars(program)
     known = {**params, **others}
     _check_fits(path, state, known, known if OPT in files else params)
+    position = own_position(meta, path) if loader is not None or with_position else None
+    if loader is not None and position is None:
+        raise ValueError(f"checkpoint {path!r} records no data position: it was saved without a loader")
     scheduler = getattr(program, "lr_scheduler", None)
     restore = scheduler is not None and meta["lr_scheduler"] is not None
     if restore:
-        _set_scheduler(copy.deepcopy(scheduler), meta["lr_scheduler"], os.path.join(path, META))  # a trial
+        set_scheduler(copy.deepcopy(scheduler), meta["lr_scheduler"], os.path.join(path, META))  # a trial
     exe.set_state_dict(program, state, strict=False)
     if restore:
-        _set_scheduler(scheduler, meta["lr_scheduler"], os.path.join(path, META))
+        set_scheduler(scheduler, meta["lr_scheduler"], os.path.join(path, META))
     exe.global_step = meta["step"]
+    if loader is not None:
+        loader.resume_from(position)
+    if loader is not None or with_position:
+        meta["position"] = position
     return meta
+
+
+def own_position(meta: dict[str, Any], path: str) -> Position | None:
+    """Where this process's data stood in the checkpoint at ``path`` with meta data ``meta`` (None if it
+    records none); one written by another number of processes is refused."""
+    positions = meta.get("data")
+    if positions is None:
+        return None
+    rank, size = launched_world() or (0, 1)
+    if len(positions) != size:
+        raise ValueError(f"checkpoint {path!r} records where the data of {len(positions)} process(es) stood; this job "
+                         f"has {size}: resume it with as many processes, or load it with staticpipe.load and "
+                         "continue the data yourself")
+    return Position.from_json(positions[rank], os.path.join(path, META))
 
 
 def _read_meta(file: str) -> dict[str, Any]:
@@ -138,6 +185,8 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
         return "it has no lr_scheduler"
     if not isinstance(meta["lr_scheduler"], (dict, type(None))):
         return f"its lr_scheduler {meta['lr_scheduler']!r} is neither a state dict nor null"
+    if not isinstance(meta.get("data"), (list, type(None))) or not all(isinstance(d, dict) for d in meta.get("data") or ()):
+        return "its data is neither a list of the ranks' data positions nor null"
     if not isinstance(files, dict) or PARAMS not in files or not set(files) <= {PARAMS, OPT} or not all(
             isinstance(f, dict) and isinstance(f.get("sha256"), str) and type(f.get("bytes")) is int
             for f in files.values()):
@@ -207,7 +256,8 @@ def _fits(got: tuple, want: tuple) -> bool:
     return len(got) == len(want) and all(w in (-1, g) for g, w in zip(got, want))
 
 
-def _set_scheduler(scheduler: Any, state: dict[str, Any], meta_file: str) -> None:
+def set_scheduler(scheduler: Any, state: dict[str, Any], meta_file: str) -> None:
+    """``scheduler`` in ``state`` (a checkpoint's, from ``meta_file``); ``ValueError`` if it does not fit."""
     try:
         with warnings.catch_warnings():  # nested schedulers (LinearWarmup) warn about their own keys
             warnings.simplefilter("ignore")

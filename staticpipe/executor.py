@@ -170,7 +170,7 @@ class Executor:
                            fetch_info: Sequence[str] | None = None, print_period: int = 100,
                            fetch_handler: Any = None, *, lr_step: str | None = None,
                            checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
-                           keep_last: int = 3) -> list[list]:
+                           keep_last: int = 3, resume: bool | None = None) -> list[list]:
         """Train ``program`` (default: the default main program) on one epoch of ``dataset``, or of the
         started loader feeding it, as Paddle's pipeline does: each loader batch is one micro-batch and a
         step takes ``num_microbatches`` of them; batches left at the end that do not fill a step are not
@@ -186,11 +186,15 @@ class Executor:
         staticpipe's own: ``lr_step`` advances the learning-rate scheduler after every step ("step") or
         after the epoch ("epoch"); None leaves ``scheduler.step()`` to you. ``checkpoint_dir``: save a
         checkpoint (``staticpipe.save``) named ``step-<global step>`` there every ``checkpoint_every`` steps
-        and after the epoch, keeping the last ``keep_last``.
+        and after the epoch, keeping the last ``keep_last``, each recording where the data stands. ``resume``
+        (with ``checkpoint_dir``; once per executor and program, at its first call): None resumes when
+        ``staticpipe.launch --max-restarts`` restarted the job (or ``STATICPIPE_RESUME=1``), True always, from
+        the newest checkpoint there, and the epochs go on with the batch the uninterrupted run would have
+        taken next; an epoch trained before it returns ``[]`` (``train/resume.py``, docs/checkpoints.md).
         """
         program = self._program(program, scope, thread)
         options = Options(fetch_list, fetch_info, print_period, debug, fetch_handler, lr_step, checkpoint_dir,
-                          checkpoint_every, keep_last)
+                          checkpoint_every, keep_last, resume)
         return train_from_dataset(self, program, dataset, options)
 
     def infer_from_dataset(self, program: framework.Program | None = None, dataset: Any = None, scope: Any = None,
@@ -310,6 +314,15 @@ class Executor:
             return self.state_dict(program)
         with self._open():
             return state.gathered_state_dict(self._devices, plan, self.global_step)
+
+    def gathered_positions(self, program: framework.Program, mine: dict | None) -> list[dict | None] | None:
+        """Where every process's data stands, for a checkpoint: ``[mine]`` in one process; launched, every
+        rank's in rank order on rank 0, None on the others (every rank calls it)."""
+        plan = plan_of(program)
+        if plan is None:
+            return [mine]
+        with self._open():
+            return state.gathered_positions(self._devices, plan, mine)
 
     def set_state_dict(self, program: framework.Program, values: dict[str, Any], strict: bool = True) -> None:
         """Write ``values`` (name -> array) into every stage that holds each name. Names no stage holds

@@ -27,6 +27,9 @@ EXAMPLES = {  # script (a case after a space) -> (small arguments, a line its la
     "auto_plan.py": (["--steps", "2", "--cap-mib", "6", "--time-steps", "1", "--devices", "2"],  # predicted == measured
                      r"^activation peak per device, predicted / measured: gpu:0 (\S+ \S+) / \1, gpu:1 (\S+ \S+) / \2$"),
     "pretrain_gpt_fleet.py": (["--steps", "3"], r"^trained 3 steps; last loss [\d.]+$"),
+    "kill_and_resume.py": (["--epochs", "2", "--kill-after", "5", "--dir", "{tmp}/runs"],
+                           r"^after 20 steps, the killed and resumed job's parameters and optimizer state equal the "
+                           r"undisturbed job's bit for bit$"),
     "run_saved_plan.py": (["--steps", "3", "--dir", "{tmp}/plan", "--width", "32"],
                           r"^trained 3 steps from .+/plan: loss [\d.]+ -> [\d.]+$"),
 }

@@ -169,3 +169,44 @@ def test_ctrl_c_reaches_the_consumer_and_the_child_ignores_it():
     timer.join()
     assert time.monotonic() - t0 < 2.0
     assert not child.is_alive()  # the interrupted epoch's cleanup ended it
+
+
+_COLLECT_IN_CHILD = []  # set while the test below runs: a collection inside every fork, as Python may make one
+
+
+def _collect_in_child():
+    if _COLLECT_IN_CHILD:
+        import gc
+        gc.collect()
+
+
+os.register_at_fork(after_in_child=_collect_in_child)
+
+
+def test_what_the_parent_left_unreachable_is_never_finalized_in_the_child(tmp_path):
+    """The first collection in a forked child may run inside the fork (threading's after-fork hook
+    allocates), before any code of the producer: it must not finalize the parent's garbage there, on a copy
+    of the parent's state without its threads (a paddle.io loader's BufferedReader left by an earlier test
+    waited for its reader thread for ever, and the child hung). Simulated by a collection at every fork."""
+    import gc
+
+    class Witness:
+        def __del__(self):
+            (tmp_path / str(os.getpid())).touch()
+
+    gc.disable()
+    _COLLECT_IN_CHILD.append(True)
+    try:
+        witness = Witness()
+        witness.cycle = witness  # only a collection frees it
+        del witness
+        loader = loader_of(lambda: iter(samples(2)), 2)
+        for _ in loader:
+            (child,) = producers()
+            child_pid = child.pid
+        gc.enable()
+        gc.collect()  # the parent finalizes it
+    finally:
+        _COLLECT_IN_CHILD.clear()
+        gc.enable()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [str(os.getpid())], f"the child was pid {child_pid}"

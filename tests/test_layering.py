@@ -15,14 +15,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "staticpipe"
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = [
-    {"_paddle", "legacy_ir", "gc_paused", "process_switch", "linear_scans", "op_callstacks"},
+    {"_paddle", "legacy_ir", "gc_paused", "process_switch", "linear_scans", "op_callstacks", "restarts"},
     {"ir", "pir_ir", "pir_view", "placement", "plan", "plan_records", "memory_model", "capabilities"},
     {"schedule"},
     {"io", "trace"},
     {"rewrite"},
     {"runtime"},
     {"", "executor", "train", "checkpoint", "atomic", "pickled_arrays", "saved_plan", "saved_pir", "verify", "export",
-     "partition", "optimizer", "launch", "fleet"},
+     "partition", "optimizer", "launch", "launch_restarts", "fleet"},
     {"selftest"},  # the command users run on their machines: nothing in the package imports it
 ]
 # besides: the runtime executes plans without knowing how they are made, and saved plans and partitioning

@@ -13,12 +13,12 @@ import weakref
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .._paddle import core, framework, paddle
-from ..pir_ir import is_pir_data
+from .._paddle import core, framework
 from .dataset import DatasetSource
 from .epoch import EpochStats
-from .feed import Batch, FeedSpec, to_batch
+from .feed import Batch, FeedSpec, feed_specs, to_batch
 from .generators import Source, batch_source, check_reader, sample_list_source, sample_source
+from .position import Position, random_state, set_random_state
 from .prefetch import Item, Prefetcher, Producer
 from .process import ProcessPrefetcher
 from .registry import hold, program_of, register
@@ -130,32 +130,22 @@ class DataLoader:
 
     def _setup(self, feed_list: Any, iterable: bool, return_list: bool, drop_last: bool) -> None:
         """What both constructors share: the feed variables, checked, and the epoch's state."""
-        if feed_list is None:
-            raise ValueError("feed_list is required in static mode: pass the paddle.static.data variables the "
-                             "loader feeds, e.g. feed_list=[image, label]")
-        if not isinstance(feed_list, (list, tuple)) or not feed_list:
-            raise ValueError(f"feed_list must be a non-empty list of paddle.static.data variables, got {feed_list!r}")
-        for var in feed_list:
-            if not isinstance(var, paddle.static.Variable) and not is_pir_data(var):
-                raise ValueError(
-                    f"feed_list entries must be paddle.static.data variables, got {type(var).__name__}: {var!r}"
-                )
-        names = [var.name for var in feed_list]
-        if len(set(names)) != len(names):
-            raise ValueError(f"feed_list names a variable twice: {names}")
+        self._specs = feed_specs(feed_list)
         self._program = weakref.ref(program_of(feed_list))
-        self._specs = [FeedSpec.from_variable(var) for var in feed_list]
         self.iterable = iterable
         self.return_list = return_list
-        # a dataset loader's is its batch sampler's. A generator loader's, in Paddle, drops the batches it cannot
-        # spread over its devices; one batch feeds the whole pipeline here, so none is dropped (a last, partial
-        # batch of samples: set_sample_generator's drop_last)
+        # a dataset loader's is its batch sampler's. A generator loader's, in Paddle, drops the batches it cannot spread
+        # over its devices; one batch feeds the whole pipeline here: none dropped (set_sample_generator's: samples)
         self.drop_last = drop_last
         self._open: Callable[[], Producer] | None = None
         self._origin = ""  # what makes the batches ("made by ..."), for the note on a batch's errors
         self._prefetcher: Producer | None = None
         self._last_epoch: EpochStats | None = None
         self._eof_raised = False  # next_batch raised EOFException in this epoch: a second call is a mistake
+        self._epoch = -1  # the current (or last) epoch's number
+        self._resume: Position | None = None  # where the next epoch opened resumes (resume_from)
+        self._skipped = self._replay = 0  # batches the current epoch resumed after; of those, a generator's to drop
+        self._opened_random: dict | None = None  # the global generators' as the last epoch opened
 
     @staticmethod
     def _check_flags(**flags: Any) -> None:
@@ -269,8 +259,37 @@ class DataLoader:
             raise RuntimeError(_ENDED)
         return self._drain(self._prefetcher)
 
+    def position(self) -> Position:
+        """Where this loader's data stands (what a checkpoint records): its current or last epoch, the
+        batches handed out of it, whether it was read to its end, the global generators as it opened (as
+        they are now, once it ended)."""
+        stats = self._last_epoch or EpochStats()
+        return Position(max(self._epoch, 0), self._skipped + stats.batches, stats.complete,
+                        random_state() if stats.complete or self._epoch < 0 else self._opened_random)
+
+    def resume_from(self, position: Position) -> None:
+        """Go on where ``position`` (a ``position()``, from a checkpoint) left: the global generators as they
+        were, then the next epoch opened is its epoch, after the batches handed out of it (a dataset's batch
+        sampler draws the whole epoch and those batches are never loaded; a generator cannot be restored,
+        so it makes them again and they are dropped), or, once ended, the epoch after."""
+        if not isinstance(position, Position):
+            raise TypeError(f"resume_from takes a DataLoader.position(), got {type(position).__name__}")
+        if position.ended:
+            if position.random is not None:
+                set_random_state(position.random)
+            self._epoch, self._resume = position.epoch, None
+        else:
+            self._resume = position
+
     def _begin(self) -> Producer:
-        self._prefetcher = self._open()
+        resume, self._resume = self._resume, None
+        if resume is not None and resume.random is not None:
+            set_random_state(resume.random)
+        self._opened_random = random_state()
+        self._epoch = resume.epoch if resume is not None else self._epoch + 1
+        self._skipped = resume.batches if resume is not None else 0
+        self._prefetcher = self._dataset.open(self._skipped) if self._dataset is not None else self._open()
+        self._replay = 0 if self._dataset is not None else self._skipped
         self._last_epoch = EpochStats()
         self._eof_raised = False
         return self._prefetcher
@@ -283,6 +302,9 @@ class DataLoader:
             kind, payload = item
             if kind == "dropped":
                 self._last_epoch = self._last_epoch.with_dropped(payload)
+                continue
+            if self._replay:  # a batch before where the epoch resumes
+                self._replay -= 1
                 continue
             try:
                 batch = to_batch(self._specs, item)

@@ -74,15 +74,18 @@ class DatasetSource:
             raise TypeError("a DataLoader over a paddle.io.IterableDataset has no len()")
         return len(self.batch_sampler)
 
-    def open(self) -> Producer:
-        """Start one epoch: a prefetch thread (``num_workers=0``) or ``num_workers`` worker processes."""
+    def open(self, skip: int = 0) -> Producer:
+        """Start one epoch: a prefetch thread (``num_workers=0``) or ``num_workers`` worker processes; after
+        its first ``skip`` batches, which the sampler draws (so that the rest are the same) and no one loads.
+        An iterable dataset cannot skip: its first ``skip`` batches are made and dropped."""
         if self.iterable:
-            return Prefetcher(self._stream, self._prefetch_factor, _LABEL)
-        batches = self._batches()
+            return Prefetcher(partial(_after, self._stream, skip), self._prefetch_factor, _LABEL)
+        drawn = self._batches()
+        batches = drawn[skip:]
         # the epoch's items, each made by calling it: the batches, then what drop_last left out. Workers take
         # them round robin, so the last item comes from the worker whose turn is next, and in order
         tasks: list[Callable[[], Item]] = [partial(self._load, indices) for indices in batches]
-        dropped = len(self.dataset) - sum(map(len, batches)) if self._drop_last else 0
+        dropped = len(self.dataset) - sum(map(len, drawn)) if self._drop_last else 0
         if dropped:
             tasks.append(lambda: ("dropped", dropped))
         if not self.num_workers:
@@ -153,6 +156,15 @@ class DatasetSource:
 
 def _run(tasks: list[Callable[[], Item]]) -> Iterator[Item]:
     return (task() for task in tasks)
+
+
+def _after(stream: Callable[[], Iterator[Item]], skip: int) -> Iterator[Item]:
+    """``stream()``'s items after its first ``skip`` batches."""
+    for item in stream():
+        if skip and item[0] == "batch":
+            skip -= 1
+            continue
+        yield item
 
 
 def _batch_sampler(dataset: Any, iterable: bool, batch_sampler: Any, batch_size: Any, shuffle: Any,

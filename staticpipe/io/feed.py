@@ -7,8 +7,9 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .._paddle import np
+from .._paddle import np, paddle
 from ..ir import np_dtype
+from ..pir_ir import is_pir_data
 
 Batch = dict[str, np.ndarray]
 # numpy dtype kinds a feed variable's kind accepts without losing meaning (ints widen to floats, never back)
@@ -70,6 +71,23 @@ class FeedSpec:
                                  "Paddle's DataFeeder reshapes a batch whose dims differ in number from the "
                                  "variable's, and fails alike)") from None
         return self.convert(array)
+
+
+def feed_specs(feed_list: Any) -> list[FeedSpec]:
+    """The specs of a loader's ``feed_list``, checked: a non-empty list of distinct ``paddle.static.data``
+    variables (either IR's)."""
+    if feed_list is None:
+        raise ValueError("feed_list is required in static mode: pass the paddle.static.data variables the "
+                         "loader feeds, e.g. feed_list=[image, label]")
+    if not isinstance(feed_list, (list, tuple)) or not feed_list:
+        raise ValueError(f"feed_list must be a non-empty list of paddle.static.data variables, got {feed_list!r}")
+    for var in feed_list:
+        if not isinstance(var, paddle.static.Variable) and not is_pir_data(var):
+            raise ValueError(f"feed_list entries must be paddle.static.data variables, got {type(var).__name__}: {var!r}")
+    names = [var.name for var in feed_list]
+    if len(set(names)) != len(names):
+        raise ValueError(f"feed_list names a variable twice: {names}")
+    return [FeedSpec.from_variable(var) for var in feed_list]
 
 
 def _array(name: str, value: Any, what: str) -> np.ndarray:

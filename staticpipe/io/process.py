@@ -25,6 +25,7 @@ from .prefetch import Item, Producer
 NAME = "staticpipe.io.DataLoader"  # every producer process's name, for ``multiprocessing.active_children()``
 _CONTEXT = multiprocessing.get_context("fork")
 _POLL_S = 0.05
+_FORK_LOCK = threading.Lock()  # one freeze-fork-unfreeze at a time: another thread's unfreeze must not come between
 
 
 class ProcessPrefetcher:
@@ -48,7 +49,15 @@ class ProcessPrefetcher:
         self._reader, writer = _CONTEXT.Pipe(duplex=False)
         args = (source, init, writer, capacity, label, os.getpid())
         self._process = _CONTEXT.Process(target=_produce, args=args, name=NAME, daemon=True)
-        self._process.start()
+        with _FORK_LOCK:  # the child never collects what it inherits (see _produce); the parent goes on collecting
+            ours = not gc.get_freeze_count()  # a process that froze objects itself keeps its arrangement as it is
+            if ours:
+                gc.freeze()
+            try:
+                self._process.start()
+            finally:
+                if ours:
+                    gc.unfreeze()
         writer.close()  # the child now holds the only write end: its death reads as end-of-file here
 
     def get(self) -> Item | None:
@@ -131,8 +140,11 @@ def _produce(source: Callable[[], Iterable[Item]], init: Callable[[], None] | No
              label: str, parent: int) -> None:
     """The child: sends ``("item", item)`` for each item of ``source()``, then ``("end", None)``, or the
     failure that ended it (``_failure``)."""
-    gc.freeze()  # what the parent left unreachable is never collected here: its finalizers (Paddle scopes, other
-    # threads' greenlets) would run on a copy of the parent's state without its threads, and crashed the child
+    # What the parent left unreachable is never collected here: the parent froze it (``gc.freeze``) before the
+    # fork, because the first collection runs inside the fork itself (threading's after-fork hook), before this
+    # function. Finalized here, on a copy of the parent's state without its threads, Paddle objects (scopes, a
+    # paddle.io loader's BufferedReader waiting for its reader thread) and other threads' greenlets hung or
+    # crashed the child.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then stops this child
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Paddle's handler would print a crash report on close()
     outbox: queue.Queue = queue.Queue(capacity)

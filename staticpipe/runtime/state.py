@@ -9,6 +9,7 @@ writes checkpoints.
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 from .._paddle import core, framework, np, paddle
@@ -102,6 +103,15 @@ def gathered_state_dict(devices: Devices, plan: Plan, step: int) -> dict[str, np
         channel.send(key, state, 0)
         channel.flush()
     return None
+
+
+def gathered_positions(devices: Devices, plan: Plan, mine: dict | None) -> list[dict | None] | None:
+    """Where every process's data stands (``mine``: this one's, JSON values), in rank order, on rank 0 of a
+    job of several processes (the others return None; every one calls it); in one process, ``[mine]``."""
+    if devices.world is None:
+        return [mine]
+    every = devices.channel_for(plan).gather_bytes(json.dumps(mine).encode())
+    return [json.loads(b) for b in every] if devices.world[0] == 0 else None
 
 
 def set_state_dict(devices: Devices, plan: Plan, state: dict[str, Any], strict: bool = True) -> None:

@@ -6,13 +6,14 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
-from .. import checkpoint
+from .. import checkpoint, restarts
 from .._paddle import framework, np
 from ..ir import var_names
 from ..plan import FORWARD_ONLY, Plan, require_plan
 from ..runtime.errors import non_finite_hint
+from . import resume as resuming
 from .feeding import loader_for, steps
 from .progress import Progress
 
@@ -43,6 +44,7 @@ class Options:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     keep_last: int = 3
+    resume: bool | None = None
 
     def check(self, program: framework.Program) -> None:
         if self.lr_step not in (None, "step", "epoch"):
@@ -54,6 +56,9 @@ class Options:
                                                   or self.checkpoint_every < 1 or self.checkpoint_dir is None):
             raise ValueError(f"checkpoint_every must be an integer >= 1 and needs checkpoint_dir, got "
                              f"checkpoint_every={self.checkpoint_every!r}, checkpoint_dir={self.checkpoint_dir!r}")
+        if not (self.resume is None or type(self.resume) is bool) or (self.resume and self.checkpoint_dir is None):
+            raise ValueError(f"resume must be None, True or False, and True needs checkpoint_dir; got "
+                             f"resume={self.resume!r}, checkpoint_dir={self.checkpoint_dir!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 1:
             raise ValueError(f"keep_last must be an integer >= 1, got {self.keep_last!r}")
         handler = self.fetch_handler
@@ -63,10 +68,19 @@ class Options:
 
 
 def train_from_dataset(exe: Stepper, program: framework.Program, dataset: Any, options: Options) -> list[list]:
-    """See ``Executor.train_from_dataset``."""
+    """See ``Executor.train_from_dataset``; where a resumed checkpoint's data stands: ``train/resume.py``."""
     plan = require_plan(program, "train_from_dataset")
     options.check(program)
-    return _epoch(exe, program, program, plan, loader_for(program, plan, dataset, "train_from_dataset"), options)
+    loader = loader_for(program, plan, dataset, "train_from_dataset")
+    _fetched(options, program, plan)  # its errors before the epoch is counted or its loader moved
+    start = resuming.start_epoch(exe, program, plan, loader, options.checkpoint_dir, options.resume)
+    if start.passed is None:
+        return _epoch(exe, program, program, plan, loader, options, start)
+    Progress([]).note("\n".join([*start.notes, f"staticpipe: epoch {start.index} was trained before the checkpoint "
+                                                 "resumed; nothing to train"]))
+    if start.passed == "ended" and options.lr_step == "epoch":  # its checkpoint came before the epoch's step
+        program.lr_scheduler.step()
+    return []
 
 
 def infer_from_dataset(exe: Stepper, program: framework.Program, forward: framework.Program, dataset: Any,
@@ -78,12 +92,10 @@ def infer_from_dataset(exe: Stepper, program: framework.Program, forward: framew
 
 
 def _epoch(exe: Stepper, program: framework.Program, runs: framework.Program, plan: Plan, loader: Any,
-           options: Options) -> list[list]:
-    """One epoch of ``loader`` as steps of ``runs`` (``program`` itself, or its forward-only twin)."""
-    names = var_names(options.fetch_list, program)
-    labels = list(options.fetch_info) if options.fetch_info else ["loss" if n == plan.loss else n for n in names]
-    if len(labels) != len(names):
-        raise ValueError(f"fetch_info has {len(labels)} names for {len(names)} fetch_list entries")
+           options: Options, training: resuming.EpochStart | None = None) -> list[list]:
+    """One epoch of ``loader`` as steps of ``runs`` (``program`` itself, or its forward-only twin);
+    ``training``: where it stands among the program's training epochs (None: inference)."""
+    names, labels = _fetched(options, program, plan)
     handler = _Handler(options.fetch_handler, program)
     history: list[list] = []
     tracing, exe.trace = exe.trace, exe.trace or options.debug
@@ -91,7 +103,9 @@ def _epoch(exe: Stepper, program: framework.Program, runs: framework.Program, pl
     warned_non_finite = False
     try:
         with Progress(labels, period, done="inferred" if plan.schedule == FORWARD_ONLY else "trained") as progress:
-            for micro in steps(loader.epoch(), m, progress.note):
+            for note in training.notes if training else ():
+                progress.note(note)
+            for micro, last in _marked_last(steps(loader.epoch(), m, progress.note)):
                 if not history:
                     rows = len(next(iter(micro[0].values())))
                     own = plan.dp_degree > 1 and plan.replica_batches == "own"  # Paddle's fleet: this replica's
@@ -113,19 +127,28 @@ def _epoch(exe: Stepper, program: framework.Program, runs: framework.Program, pl
                                 time.perf_counter() - started)
                 if exe.trace and len(history) % period == 0:
                     progress.note(f"step {len(history)} timeline: {exe.timeline(runs).summary()}")
-                if _due(exe, options):
-                    _checkpoint(exe, program, options.checkpoint_dir, options.keep_last)
+                if options.checkpoint_dir is not None and (last or _due(exe, options)):
+                    _checkpoint(exe, program, loader, options, training, len(history) * m, ended=last)
+                if training is not None:
+                    resuming.report(exe.global_step, training.epochs)
             if exe.trace and history and len(history) % period:
                 progress.note(f"step {len(history)} timeline: {exe.timeline(runs).summary()}")
-            if options.checkpoint_dir is not None and history and not _due(exe, options):
-                _checkpoint(exe, program, options.checkpoint_dir, options.keep_last)
     finally:
         exe.trace = tracing
-    if not history:
+    if not history and not (training and training.skipped):  # a resumed epoch may have had no step left
         raise ValueError(f"the epoch trained no step: {_why_empty(loader, m)}")
     if options.lr_step == "epoch":
         program.lr_scheduler.step()
     return history
+
+
+def _fetched(options: Options, program: framework.Program, plan: Plan) -> tuple[list[str], list[str]]:
+    """(the names of ``fetch_list``, their labels: ``fetch_info`` or the names, the loss's "loss")."""
+    names = var_names(options.fetch_list, program)
+    labels = list(options.fetch_info) if options.fetch_info else ["loss" if n == plan.loss else n for n in names]
+    if len(labels) != len(names):
+        raise ValueError(f"fetch_info has {len(labels)} names for {len(names)} fetch_list entries")
+    return names, labels
 
 
 def _why_empty(loader: Any, num_microbatches: int) -> str:
@@ -161,14 +184,38 @@ class _Handler:
         self.handler.handler({k: None if v is None else np.asarray(v) for k, v in zip(self.keys, values)})
 
 
+def _marked_last(items: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+    """``(item, whether it is the last)``, reading one item ahead: the epoch's last step is known before its
+    checkpoint is written, which then records the epoch as ended (a resume does not open it again). When
+    reading ahead fails (a bad batch, the source's error), the item already read still comes first, not
+    the last: its step trains and its checkpoint is written as without reading ahead, then the error."""
+    end = object()
+    item = next(items, end)
+    while item is not end:
+        try:
+            following = next(items, end)
+        except Exception:
+            yield item, False
+            raise
+        yield item, following is end
+        item = following
+
+
 def _due(exe: Stepper, options: Options) -> bool:
     return bool(options.checkpoint_every) and exe.global_step % options.checkpoint_every == 0
 
 
-def _checkpoint(exe: Stepper, program: framework.Program, directory: str, keep_last: int) -> None:
-    """``staticpipe.save`` as ``<directory>/step-<global step>``, then delete all but the last ``keep_last``."""
-    if not checkpoint.save(program, os.path.join(directory, f"step-{exe.global_step:08d}"), exe, exe.global_step):
+def _checkpoint(exe: Stepper, program: framework.Program, loader: Any, options: Options, training: resuming.EpochStart | None,
+                batches: int, ended: bool) -> None:
+    """``staticpipe.save`` as ``<checkpoint_dir>/step-<global step>`` with where the data stands (a training
+    epoch's ``batches`` trained on), then delete all but the last ``keep_last``."""
+    directory, job = options.checkpoint_dir, restarts.job_id()
+    path = os.path.join(directory, f"step-{exe.global_step:08d}")
+    data = None if training is None else resuming.position_now(loader, training.index, training.skipped + batches, ended)
+    wrote = checkpoint.save(program, path, exe, exe.global_step, data=data, job=job)
+    if training is not None:
+        training.epochs.checkpoint, training.epochs.checkpoint_step = os.path.abspath(path), exe.global_step
+    if not wrote:
         return
-    saved = sorted(d for d in os.listdir(directory) if d.startswith("step-") and "." not in d)
-    for old in saved[:-keep_last]:
-        shutil.rmtree(os.path.join(directory, old))
+    for old, _ in restarts.checkpoints(directory, job)[options.keep_last:]:  # this job's: an earlier job's stay
+        shutil.rmtree(old)

@@ -42,8 +42,9 @@ class Progress:
         """A line of its own, above the progress bar if there is one."""
         if self._bar is not None:
             self._bar.write(text, file=self.stream)
-        else:
-            print(text, file=self.stream, flush=True)
+        else:  # one write: the lines of several processes sharing a stream do not interleave
+            self.stream.write(f"{text}\n")
+            self.stream.flush()
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
