@@ -98,12 +98,15 @@ def main() -> None:
         return
     results: dict[str, dict] = {}
     precisions = PRECISIONS if args.model == "mlp" else PRECISIONS[:-1]
-    from staticpipe.capabilities import cpu_bf16, describe
+    from staticpipe.capabilities import cpu_bf16, describe, wrong_bf16_allowed
 
     print(describe())
-    if not cpu_bf16().ok:  # the bf16 rows would be refused at minimize: measured where the CPU runs bfloat16
+    support = cpu_bf16()
+    if not (support.right or support.ok and wrong_bf16_allowed()):  # minimize would refuse the bf16 rows
         precisions = tuple(p for p in precisions if not p.startswith("bf16"))
-        print(f"bf16 rows skipped: this CPU cannot run bfloat16 ({cpu_bf16().reason})")
+        why = f"Paddle computes bfloat16 wrong on it ({support.wrong})" if support.ok else f"it cannot ({support.reason})"
+        print(f"bf16 rows skipped: this CPU does not train bfloat16 here: {why}; STATICPIPE_ALLOW_WRONG_BF16=1 times "
+              "them anyway")
     for _ in range(args.rounds):
         for precision in precisions:
             cmd = [sys.executable, __file__, "--model", args.model, "--stages", str(args.stages), "--microbatches",
