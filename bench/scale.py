@@ -197,7 +197,7 @@ def runtime_sizes(quick: bool) -> None:
     rows, lines = [], []
     for m in sizes:
         batch = unguarded.random_batch(max(args.batch, m))
-        (step, actions), (floor, _) = overhead.pipelined(args, batch, 4, m), overhead.floor(args, batch, 4, m)
+        (step, actions, _), (floor, _, _) = overhead.pipelined(args, batch, 4, m), overhead.floor(args, batch, 4, m)
         times = {step: [], floor: []}
         for _ in range(3):
             step(), floor()
