@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numbers
 import weakref
-from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .._paddle import core, framework
@@ -19,7 +18,7 @@ from .epoch import EpochStats
 from .feed import Batch, FeedSpec, feed_specs, to_batch
 from .generators import Source, batch_source, check_reader, sample_list_source, sample_source
 from .position import Position, random_state, set_random_state
-from .prefetch import Item, Prefetcher, Producer
+from .prefetch import Item, Prefetcher, Producer, after_batches
 from .process import ProcessPrefetcher
 from .registry import hold, program_of, register
 
@@ -137,14 +136,14 @@ class DataLoader:
         # a dataset loader's is its batch sampler's. A generator loader's, in Paddle, drops the batches it cannot spread
         # over its devices; one batch feeds the whole pipeline here: none dropped (set_sample_generator's: samples)
         self.drop_last = drop_last
-        self._open: Callable[[], Producer] | None = None
+        self._open: Callable[[int], Producer] | None = None  # an epoch's producer, after its first n batches
         self._origin = ""  # what makes the batches ("made by ..."), for the note on a batch's errors
         self._prefetcher: Producer | None = None
         self._last_epoch: EpochStats | None = None
         self._eof_raised = False  # next_batch raised EOFException in this epoch: a second call is a mistake
         self._epoch = -1  # the current (or last) epoch's number
         self._resume: Position | None = None  # where the next epoch opened resumes (resume_from)
-        self._skipped = self._replay = 0  # batches the current epoch resumed after; of those, a generator's to drop
+        self._skipped = 0  # batches the current epoch resumed after
         self._opened_random: dict | None = None  # the global generators' as the last epoch opened
 
     @staticmethod
@@ -226,7 +225,7 @@ class DataLoader:
 
     def _use(self, source: Source, origin: str) -> DataLoader:
         kind = ProcessPrefetcher if self.use_multiprocess else Prefetcher
-        self._open = partial(kind, source, self.capacity)
+        self._open = lambda skip: kind(after_batches(source, skip), self.capacity)
         self._origin = origin
         return self
 
@@ -288,8 +287,7 @@ class DataLoader:
         self._opened_random = random_state()
         self._epoch = resume.epoch if resume is not None else self._epoch + 1
         self._skipped = resume.batches if resume is not None else 0
-        self._prefetcher = self._dataset.open(self._skipped) if self._dataset is not None else self._open()
-        self._replay = 0 if self._dataset is not None else self._skipped
+        self._prefetcher = self._open(self._skipped)
         self._last_epoch = EpochStats()
         self._eof_raised = False
         return self._prefetcher
@@ -302,9 +300,6 @@ class DataLoader:
             kind, payload = item
             if kind == "dropped":
                 self._last_epoch = self._last_epoch.with_dropped(payload)
-                continue
-            if self._replay:  # a batch before where the epoch resumes
-                self._replay -= 1
                 continue
             try:
                 batch = to_batch(self._specs, item)

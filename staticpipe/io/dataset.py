@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .._paddle import np, paddle
 from .feed import collate
-from .prefetch import Item, Prefetcher, Producer
+from .prefetch import Item, Prefetcher, Producer, after_batches
 from .process import ProcessPrefetcher, RoundRobin
 
 _LABEL = "the staticpipe DataLoader's dataset"
@@ -79,7 +79,7 @@ class DatasetSource:
         its first ``skip`` batches, which the sampler draws (so that the rest are the same) and no one loads.
         An iterable dataset cannot skip: its first ``skip`` batches are made and dropped."""
         if self.iterable:
-            return Prefetcher(partial(_after, self._stream, skip), self._prefetch_factor, _LABEL)
+            return Prefetcher(after_batches(self._stream, skip), self._prefetch_factor, _LABEL)
         drawn = self._batches()
         batches = drawn[skip:]
         # the epoch's items, each made by calling it: the batches, then what drop_last left out. Workers take
@@ -156,15 +156,6 @@ class DatasetSource:
 
 def _run(tasks: list[Callable[[], Item]]) -> Iterator[Item]:
     return (task() for task in tasks)
-
-
-def _after(stream: Callable[[], Iterator[Item]], skip: int) -> Iterator[Item]:
-    """``stream()``'s items after its first ``skip`` batches."""
-    for item in stream():
-        if skip and item[0] == "batch":
-            skip -= 1
-            continue
-        yield item
 
 
 def _batch_sampler(dataset: Any, iterable: bool, batch_sampler: Any, batch_size: Any, shuffle: Any,

@@ -34,6 +34,22 @@ class _Failure:
 _END = object()
 
 
+def after_batches(source: Callable[[], Iterable[Item]], skip: int) -> Callable[[], Iterable[Item]]:
+    """``source`` whose items start after its first ``skip`` batches, which are made and dropped (where a
+    resumed epoch of a source that cannot be restored starts); what drop_last left out still comes."""
+    if not skip:
+        return source
+
+    def items() -> Iterable[Item]:
+        left = skip
+        for item in source():
+            if left and item[0] != "dropped":
+                left -= 1
+                continue
+            yield item
+    return items
+
+
 class Prefetcher:
     """Runs a source of items on a daemon thread, up to ``capacity`` items ahead of the consumer.
 
