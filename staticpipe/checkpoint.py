@@ -35,6 +35,7 @@ from .atomic import atomic_directory, recover_directory
 from .io.position import Position
 from .ir import np_dtype, program_view
 from .placement import launched_world
+from .restarts import META
 
 
 
@@ -50,7 +51,7 @@ class StateHolder(Protocol):
 
     def set_state_dict(self, program: framework.Program, values: dict[str, Any], strict: bool = True) -> None: ...
 
-PARAMS, OPT, META = "model.pdparams", "model.pdopt", "meta.json"
+PARAMS, OPT = "model.pdparams", "model.pdopt"  # META: restarts' (the launcher reads it without Paddle)
 FORMAT = 2  # 2: sha256 and size of every file in meta.json
 WHAT = "a checkpoint"
 

@@ -72,10 +72,10 @@ def train_from_dataset(exe: Stepper, program: framework.Program, dataset: Any, o
     plan = require_plan(program, "train_from_dataset")
     options.check(program)
     loader = loader_for(program, plan, dataset, "train_from_dataset")
-    _fetched(options, program, plan)  # its errors before the epoch is counted or its loader moved
+    fetched = _fetched(options, program, plan)  # its errors before the epoch is counted or its loader moved
     start = resuming.start_epoch(exe, program, plan, loader, options.checkpoint_dir, options.resume)
     if start.passed is None:
-        return _epoch(exe, program, program, plan, loader, options, start)
+        return _epoch(exe, program, program, plan, loader, options, fetched, start)
     Progress([]).note("\n".join([*start.notes, f"staticpipe: epoch {start.index} was trained before the checkpoint "
                                                  "resumed; nothing to train"]))
     if start.passed == "ended" and options.lr_step == "epoch":  # its checkpoint came before the epoch's step
@@ -88,14 +88,17 @@ def infer_from_dataset(exe: Stepper, program: framework.Program, forward: framew
     """See ``Executor.infer_from_dataset``; ``forward`` is ``program``'s forward-only pipelined twin."""
     options.check(program)
     plan = require_plan(forward, "infer_from_dataset")
-    return _epoch(exe, program, forward, plan, loader_for(program, plan, dataset, "infer_from_dataset"), options)
+    return _epoch(exe, program, forward, plan, loader_for(program, plan, dataset, "infer_from_dataset"), options,
+                  _fetched(options, program, plan))
 
 
 def _epoch(exe: Stepper, program: framework.Program, runs: framework.Program, plan: Plan, loader: Any,
-           options: Options, training: resuming.EpochStart | None = None) -> list[list]:
+           options: Options, fetched: tuple[list[str], list[str]], training: resuming.EpochStart | None = None
+           ) -> list[list]:
     """One epoch of ``loader`` as steps of ``runs`` (``program`` itself, or its forward-only twin);
-    ``training``: where it stands among the program's training epochs (None: inference)."""
-    names, labels = _fetched(options, program, plan)
+    ``fetched``: ``_fetched``'s names and labels; ``training``: where it stands among the program's training
+    epochs (None: inference)."""
+    names, labels = fetched
     handler = _Handler(options.fetch_handler, program)
     history: list[list] = []
     tracing, exe.trace = exe.trace, exe.trace or options.debug
