@@ -125,6 +125,20 @@ def test_warm_up_steps_do_not_count_and_each_layout_keeps_its_fastest_step():
     assert choice.walls == {2: [3.0, 3.2], 1: [3.1, 9.0]} and choice.chosen == 2
 
 
+def test_a_layouts_cold_first_step_counts_when_a_slow_spell_hits_its_measured_one():
+    """Tiny stages (measured on M4): one thread's cold first step took 11 ms, its measured one 16 ms (the
+    machine busy meanwhile), a thread per rank's 13 ms. One thread's fastest step is the cold one: it is
+    > 10 % faster, so it is kept at once, without steps on 2 threads or more rounds."""
+    choice = ThreadChoice(LAYOUTS, [32] * 4, 2)
+    steps = iter([(4, 0.020), (4, 0.013), (1, 0.011), (1, 0.016)])
+    while choice.chosen is None:
+        n, wall = next(steps)
+        assert choice.threads(True) == n
+        choice.measured(n, SHAPES, wall, wall, [0.003] * len(LAYOUTS[n]))
+    assert choice.chosen == 1 and choice.walls == {4: [0.013], 1: [0.016]} and choice.cold == {1: (0.011, 0.011)}
+    assert next(steps, None) is None
+
+
 def test_a_step_that_does_not_count_runs_on_the_fastest_layout_so_far_and_keeps_the_trial_where_it_was():
     choice = ThreadChoice(LAYOUTS, [0] * 4, 2)
     assert choice.threads(False) == 4  # nothing measured yet: a thread per rank

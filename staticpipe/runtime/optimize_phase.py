@@ -27,7 +27,7 @@ from ..plan import SUM, Exchange, Run
 from ..schedule.actions import OPT
 from .channel import Channel
 from .errors import PASSING_THROUGH, StageError, failing_as
-from .jobs import StepJob
+from .jobs import Leftovers, StepJob
 from .sharding import gather_parameters
 
 
@@ -41,7 +41,7 @@ class DeviceWorker(Protocol):
 
     def borrow_scope(self) -> core._Scope: ...
 
-    def return_scope(self, scope: core._Scope, leftovers: tuple[str, ...]) -> None: ...
+    def return_scope(self, scope: core._Scope, leftovers: Leftovers) -> None: ...
 
     def execute(self, run: Run, scope: core._Scope, fetch: tuple[str, ...] = ()) -> None: ...
 

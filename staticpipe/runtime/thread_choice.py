@@ -24,8 +24,9 @@ The rule (what the user waits for comes first; CPU breaks ties):
    thread would save; it is large, for a bound that is too high would rule out the fastest). A layout
    whose bound is >= ``1 - SLACK`` of the measured wall cannot be more than ``SLACK`` faster: it is
    dropped without a step.
-4. The others are measured one step each (after an unmeasured one: a layout's first step on its
-   threads runs on cold caches, slower than the next), fewest threads first; a layout more than
+4. The others are measured one step each (after a first one that is not enough alone: a layout's first
+   step on its threads runs on cold caches, slower than the next; it still counts as a step the layout
+   took, for when a slow spell of the machine hits the next), fewest threads first; a layout more than
    ``CLEAR`` slower than the fastest step so far is dropped. When a thread per rank is dropped against one thread, so
    are the layouts between them, untried: what makes one thread faster (no wake-ups between threads)
    they have only in part. If more than one layout is left, each gets ``ROUNDS`` steps in all (more,
@@ -74,7 +75,8 @@ class ThreadChoice:
         self.walls: dict[int, list[float]] = {}  # layout -> the wall seconds of its measured steps
         self.cpus: dict[int, list[float]] = {}  # layout -> their CPU seconds
         self.bounds: dict[int, float] = {}  # layout -> the least wall it can have (rule 3)
-        self.warmed: set[int] = set()  # the layouts whose unmeasured first step ran
+        self.warmed: set[int] = set()  # the layouts whose first step ran
+        self.cold: dict[int, tuple[float, float]] = {}  # layout -> the wall and CPU seconds of its first step
         self.shapes: Hashable = None  # the micro-batch shapes of the trial's steps (its first step's)
         self.chosen: int | None = self.candidates[0] if len(self.candidates) == 1 else None
 
@@ -96,15 +98,17 @@ class ThreadChoice:
         if not self.counts(shapes) or threads != self.threads(True):
             return
         self.shapes = shapes
-        if threads not in self.warmed:
+        if threads not in self.warmed:  # (a thread per rank's is the plan's first step: it prepares the runs)
             self.warmed.add(threads)
+            if threads != self.candidates[0]:
+                self.cold[threads] = (wall, cpu)
             return
         self.walls.setdefault(threads, []).append(wall)
         self.cpus.setdefault(threads, []).append(cpu)
         if threads == self.candidates[0] and not self.bounds:
             self._bound(wall, lane_cpu)
-        fastest = min(min(w) for w in self.walls.values())
-        self.open = [n for n in self.open if n not in self.walls or min(self.walls[n]) <= fastest * (1 + CLEAR)]
+        fastest = min(self._wall(n) for n in self.walls)
+        self.open = [n for n in self.open if n not in self.walls or self._wall(n) <= fastest * (1 + CLEAR)]
         if self.candidates[0] not in self.open and 1 in self.walls:  # one thread beat a thread per rank clearly
             self.open = [n for n in self.open if n in self.walls]
         if len(self.open) == 1 or all(self._measured_enough(n) for n in self.open):
@@ -133,15 +137,23 @@ class ThreadChoice:
     def _fastest(self) -> int:
         """Rule 5 among the layouts measured and still open."""
         measured = [n for n in self.open if n in self.walls]
-        best = min(min(self.walls[n]) for n in measured)
-        near = [n for n in measured if min(self.walls[n]) <= best * (1 + TIE)]
-        return min(near, key=lambda n: (min(self.cpus[n]), -n))
+        best = min(self._wall(n) for n in measured)
+        near = [n for n in measured if self._wall(n) <= best * (1 + TIE)]
+        return min(near, key=lambda n: (self._cpu(n), -n))
+
+    def _wall(self, n: int) -> float:
+        """Layout ``n``'s fastest step: its measured steps' and its cold first step's (slower, if anything,
+        so it only counts when a slow spell of the machine hit every measured one)."""
+        return min(self.walls[n] + [self.cold[n][0]] if n in self.cold else self.walls[n])
+
+    def _cpu(self, n: int) -> float:
+        return min(self.cpus[n] + [self.cold[n][1]] if n in self.cold else self.cpus[n])
 
     def _choose(self) -> None:
         self.chosen = self._fastest()
         log.info("staticpipe: the CPU ranks of %s run on %d thread(s) from now on (fastest step, ms of wall / CPU, "
                  "on each number of threads tried: %s; not tried, ruled out by their bound or by one thread's lead: "
-                 "%s)", self.devices, self.chosen, {n: f"{min(w) * 1e3:.3g} / {min(self.cpus[n]) * 1e3:.3g}" for n, w in self.walls.items()},
+                 "%s)", self.devices, self.chosen, {n: f"{self._wall(n) * 1e3:.3g} / {self._cpu(n) * 1e3:.3g}" for n in self.walls},
                  [n for n in self.candidates if n not in self.walls] or "none")
 
 

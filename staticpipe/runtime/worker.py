@@ -20,7 +20,7 @@ from ..plan import BACKWARD, FORWARD, INIT, WEIGHT, CutVar, Run, Section, Stage
 from ..schedule import Action, Kind
 from . import lanes
 from .errors import PASSING_THROUGH, PipelineAborted, StageError, check_finite_values, failing_as
-from .jobs import RankProgram, StepJob, StepResult
+from .jobs import Leftovers, RankProgram, StepJob, StepResult
 from .optimize_phase import run_optimizers
 from .pir_runs import PirRuns
 
@@ -264,9 +264,9 @@ class DeviceWorker:
         """A scope under the device's for one micro-batch's (or one optimize section's) temporaries."""
         return self._free.pop() if self._free else self.scope.new_scope()
 
-    def return_scope(self, scope: core._Scope, leftovers: tuple[str, ...]) -> None:
-        """Take back a borrowed scope, erasing ``leftovers``: a reused scope never serves a stale value."""
-        scope.erase(leftovers)
+    def return_scope(self, scope: core._Scope, leftovers: Leftovers) -> None:
+        """Take back a borrowed scope, letting go of ``leftovers``: a reused scope never serves a stale value."""
+        leftovers.let_go(scope)
         self._free.append(scope)
 
 
