@@ -47,7 +47,7 @@ def worker(out: str, shards: int, steps: int, d_model: int, layers: int) -> None
         exe.run(net.main, feed=batch)
         times.append(time.perf_counter() - start)
     plan = staticpipe.plan_of(net.main)
-    stages = [s for s in plan.stages if s.rank == rank % len(plan.ranks)]
+    stages = plan.stages_of_process((rank, int(os.environ["PADDLE_TRAINERS_NUM"])))
     state = exe.state_dict(net.main)
     held = sum(v.nbytes for n, v in state.items() if any(n in s.persistables and n not in s.parameters
                                                            for s in stages))

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
+from paddle.distributed.fleet.base.topology import CommunicateTopology  # noqa: E402
 import staticpipe  # noqa: E402  # ported: was nothing
 from staticpipe import fleet  # noqa: E402  # ported: was import paddle.distributed.fleet as fleet
 
@@ -145,8 +146,13 @@ def main() -> None:
     fleet.init(is_collective=True)
     main_program, startup, loader, loss, schedule = build(args)
     hcg = fleet.get_hybrid_communicate_group()
-    # every replica (dp x sharding of them) reads its own shard of the corpus
-    shard = hcg.get_data_parallel_rank() * args.sharding + hcg.get_sharding_parallel_rank()
+    # every replica (dp x sharding of them) reads its own shard of the corpus, worked out from the process
+    # rank as Paddle's static GPT pretraining works it out (its topology: data, pipe, sharding, model)
+    topology = CommunicateTopology(["data", "pipe", "sharding", "sep", "model"],
+                                   [args.dp, args.pp, args.sharding, 1, 1])
+    coord = topology.get_coord(fleet.worker_index())
+    shard = coord.data * args.sharding + coord.sharding
+    assert shard == hcg.get_data_parallel_rank() * args.sharding + hcg.get_sharding_parallel_rank()
     loader.set_sample_generator(corpus(shard, args.dp * args.sharding, args.steps, args.accumulate),
                                 batch_size=MICRO_BATCH_SIZE)
     if fleet.is_first_worker():

@@ -23,6 +23,7 @@ shapes and dtypes as the program declares) before it changes any state.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import warnings
@@ -30,11 +31,13 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from . import pickled_arrays
-from ._paddle import framework, np
+from ._paddle import framework, np, paddle
 from .atomic import atomic_directory, recover_directory
 from .io.position import Position
 from .ir import np_dtype, program_view
 from .placement import launched_world
+from .plan import plan_of
+from .runtime.paddle_io import stale
 from .restarts import META
 
 
@@ -274,3 +277,61 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     raise TypeError(f"cannot store {type(value).__name__} in a checkpoint's meta data")
+
+
+# --- Paddle's own calls that read or write ``global_scope()`` without the executor ----------------------
+SET_PROGRAM_STATE = ("paddle.static.set_program_state(program, state_dict) writes paddle.static.global_scope(), "
+                     "which the stages of a pipelined program never read: it would change nothing. Use "
+                     "exe.set_state_dict(program, state_dict) (the staticpipe.Executor), or staticpipe.load(program, "
+                     "dir, exe) for a checkpoint directory")
+LOAD = ("paddle.static.load(program, path[, executor]) loads into paddle.static.global_scope(), which the stages "
+        "of a pipelined program never read, and takes Paddle's own executor only: use staticpipe.load(program, dir, "
+        "exe) (dir holding model.pdparams and model.pdopt, as paddle.static.save(program, dir + '/model') writes "
+        "them), or exe.set_state_dict(program, paddle.static.load_program_state(path))")
+SAVE = ("paddle.static.save(program, {path!r}) writes what paddle.static.global_scope() holds, not the stages of a "
+        "pipelined program, and {why}: call exe.flush() right before it (every rank; it returns True where the "
+        "whole model then is), or use staticpipe.save(program, dir, exe)")
+
+
+def _set_program_state(original: Any, program: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+    if plan_of(program) is not None:
+        raise RuntimeError(SET_PROGRAM_STATE)
+    return original(program, state_dict, *args, **kwargs)
+
+
+def _load(original: Any, program: Any, model_path: Any, executor: Any = None, *args: Any, **kwargs: Any) -> Any:
+    if plan_of(program) is not None or not (executor is None or isinstance(executor, paddle.static.Executor)):
+        raise RuntimeError(LOAD)
+    return original(program, model_path, executor, *args, **kwargs)
+
+
+def _save(original: Any, program: Any, model_path: Any, *args: Any, **kwargs: Any) -> Any:
+    if (plan := plan_of(program)) is not None and (why := stale(plan, paddle.static.global_scope())):
+        raise RuntimeError(SAVE.format(path=model_path, why=why))
+    return original(program, model_path, *args, **kwargs)
+
+
+def _fronted(front: Any, original: Any) -> Any:
+    @functools.wraps(original)
+    def api(*args: Any, **kwargs: Any) -> Any:
+        return front(original, *args, **kwargs)
+    api.__staticpipe_front__ = original
+    return api
+
+
+def front_paddle_calls() -> None:
+    """Front ``paddle.static.set_program_state``, ``load`` and ``save`` (wherever Paddle exports them) for
+    pipelined programs: the first two are refused (they would write a ``global_scope()`` no stage reads),
+    ``save`` unless ``global_scope()`` holds the current state (``exe.flush()``). Idempotent."""
+    fronts = {"set_program_state": _set_program_state, "load": _load, "save": _save}
+    modules = [getattr(paddle, "static", None), getattr(getattr(paddle, "static", None), "io", None),
+               getattr(getattr(paddle, "base", None), "io", None)]
+    for name, front in fronts.items():
+        original = getattr(paddle.static, name)
+        original = getattr(original, "__staticpipe_front__", original)
+        api = _fronted(front, original)
+        for module in modules:
+            if module is not None and getattr(getattr(module, name, None), "__staticpipe_front__", getattr(
+                    module, name, None)) is original:
+                setattr(module, name, api)
+

@@ -13,6 +13,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from ._paddle import core, framework, np, paddle
+from .checkpoint import front_paddle_calls
 from .ir import free_scope, is_pir_program, var_names
 from .pir_ir import test_mode_forward
 from .placement import clone_with_split_points, executor_place
@@ -23,7 +24,8 @@ from .runtime.devices import Devices
 from .runtime.errors import non_finite_hint
 from .runtime.step import StepRunner
 from .trace import Timeline
-from .train import Options, evaluate, infer_from_dataset, loader_for, take_step, train_from_dataset
+from .train import Options, evaluate, infer_from_dataset, loader_for, one_feed, take_step, train_from_dataset
+from .train.evaluate import is_clone_of, plan_like
 
 log = logging.getLogger("staticpipe")
 
@@ -60,6 +62,7 @@ class Executor:
                  device_map: dict[str, str] | None = None, check_finite: bool = False,
                  worker_threads: int | str | None = "auto"):
         self.place = executor_place(place)
+        front_paddle_calls()  # paddle.static.save / load / set_program_state on pipelined programs (checkpoint.py)
         self._devices = Devices(threads_per_stage, device_map, worker_threads)
         self._steps = StepRunner(self._devices)
         self._steps.check_finite = bool(check_finite)
@@ -100,7 +103,8 @@ class Executor:
           the last micro-batch's: ``values[-1]``); ``scope`` must be None (each device keeps its own);
         - a program of Paddle's save (load) ops, as ``save_vars`` (``load_vars``) builds: ``runtime/paddle_io.py``;
         - any other program: plain Paddle execution on ``place`` with the state the stages hold (so an
-          evaluation clone of a pipelined program sees the trained values), every argument as Paddle's.
+          evaluation clone of a pipelined program sees the trained values), every argument as Paddle's;
+          launched, an evaluation clone runs as ``evaluate`` runs it (its values on the rank computing them).
         """
         with self._open():
             return self._run(program, feed, fetch_list, feed_var_name, fetch_var_name, scope, return_numpy,
@@ -113,6 +117,8 @@ class Executor:
         plan = plan_of(program)
         if plan is None and (kind := paddle_io.io_kind(program)):  # Paddle's save_vars / load_vars program
             return paddle_io.run(kind, self._devices, self._io_plan, self.global_step, self._plain, program, scope)
+        if plan is None and self._devices.world is not None and self._io_plan and is_clone_of(program, self._io_plan):
+            plan = plan_like(program, self._io_plan)  # launched: no process holds every stage's state (evaluate)
         self._io_plan = plan if plan is not None and plan.schedule != FORWARD_ONLY else self._io_plan
         if plan is not None and is_startup(program):
             state.run_startup(self._devices, program, plan)
@@ -126,7 +132,7 @@ class Executor:
         if scope is not None:
             raise ValueError("scope must be None for a pipelined program: each device keeps its own scope "
                              "(Executor.scope_of(device))")
-        feed = _one_feed(feed)
+        feed = one_feed(feed)
         if not feed and plan.data_vars:
             loader = loader_for(program, plan, None, "Executor.run")
             micro = take_step(loader, plan.num_microbatches)
@@ -358,21 +364,6 @@ class Executor:
             self._plain = None  # its cached interpreters point into the plain scope: they go first
             free_scope(self._plain_scope)
             self._plain_scope = None
-
-
-def _one_feed(feed: dict | list | tuple | None) -> dict:
-    """Paddle's feed forms for one device: a dict, or a list holding one dict per place."""
-    if isinstance(feed, (list, tuple)):
-        if len(feed) != 1:
-            raise ValueError(f"a list feed holds one dict per place; a pipeline takes one global batch, got a list of "
-                             f"{len(feed)}: pass one dict (or Executor.step(program, micro-batches))")
-        feed = feed[0]
-    if feed is None:
-        return {}
-    if not isinstance(feed, dict):
-        raise ValueError(f"feed must be a dict {{data variable name: array}} (or a list holding one), got "
-                         f"{type(feed).__name__}")
-    return feed
 
 
 __all__ = ["Executor"]

@@ -195,23 +195,36 @@ class Plan:
         pipeline = len(self.ranks)
         if world is None:
             if self.dp_degree > 1:
-                raise ValueError(f"dp_degree={self.dp_degree} runs one process per device and replica: launch "
+                raise ValueError(f"{self._replicas_named()} runs one process per device and replica: launch "
                                  f"{self.dp_degree * pipeline} processes (python -m staticpipe.launch --nprocs "
                                  f"{self.dp_degree * pipeline} script.py)")
             return list(self.stages)
         rank, size = world
         if size != self.dp_degree * pipeline:
-            replicas = f" x dp_degree {self.dp_degree}" if self.dp_degree > 1 else ""
+            replicas = f" x {self._replicas_named()}" if self.dp_degree > 1 else ""
             raise ValueError(f"the job has {size} processes but the plan has {pipeline} devices {list(self.ranks)}"
                              f"{replicas}; launch {self.dp_degree * pipeline} processes (one per device{replicas})")
-        return [s for s in self.stages if s.rank == rank % pipeline]
+        return [s for s in self.stages if s.rank == self.place_of_process(rank)[1]]
+
+    def _replicas_named(self) -> str:
+        """The replicas as the user asked for them: fleet's sharding_degree is a factor of our dp_degree."""
+        s = self.sharding_degree
+        return f"dp_degree={self.dp_degree}" if s == 1 else (
+            f"dp_degree={self.dp_degree // s} x sharding_degree={s}")
 
     def shard_of_process(self, world: tuple[int, int] | None) -> int | None:
-        """Which member of its sharding group the process ``world`` = (rank, size) is (None: not sharded):
-        replica ``rank // devices``, consecutive replicas forming a group."""
+        """Which member of its sharding group the process ``world`` = (rank, size) is (None: not sharded)."""
         if self.sharding_degree == 1 or world is None:
             return None
-        return world[0] // len(self.ranks) % self.sharding_degree
+        return self.place_of_process(world[0])[0] % self.sharding_degree
+
+    def process_of(self, replica: int, rank: int) -> int:
+        """The launched process that runs pipeline rank ``rank`` of replica ``replica``."""
+        return process_of(replica, rank, len(self.ranks), self.sharding_degree)
+
+    def place_of_process(self, process: int) -> tuple[int, int]:
+        """(replica, pipeline rank) of the launched ``process``."""
+        return place_of_process(process, len(self.ranks), self.sharding_degree)
 
     def __str__(self) -> str:
         mbs = self.micro_batch_size
@@ -248,6 +261,23 @@ class Plan:
         for rank, acts in sorted(self.actions.items()):
             lines.append(f"    rank {rank} ({self.ranks[rank]}): {' '.join(str(a) for a in acts)}")
         return "\n".join(lines)
+
+
+def process_of(replica: int, rank: int, pipeline: int, sharding: int = 1) -> int:
+    """The launched process that runs pipeline rank ``rank`` (of ``pipeline``) of replica ``replica``.
+
+    Why this order: it is Paddle's. A fleet script works out its own data-parallel and sharding ranks from
+    its process rank (its data shard comes from them), in fleet's order, outermost first: data-parallel
+    group, pipeline rank, sharding member (fleet's static ShardingOptimizer; without sharding, its
+    pipeline's process ``k * p + r``). Replica ``k`` is member ``k % sharding`` of group ``k // sharding``:
+    a process placed otherwise would be fed another replica's batches, and train wrong, silently."""
+    return (replica // sharding * pipeline + rank) * sharding + replica % sharding
+
+
+def place_of_process(process: int, pipeline: int, sharding: int = 1) -> tuple[int, int]:
+    """(replica, pipeline rank) of the launched ``process``: the inverse of ``process_of``."""
+    group, rank = divmod(process // sharding, pipeline)
+    return group * sharding + process % sharding, rank
 
 
 def _frozen(mapping: Mapping[Any, Any]) -> Mapping[Any, Any]:

@@ -266,8 +266,14 @@ def test_data_parallel_plans_need_one_process_per_device_and_replica():
                               "(python -m staticpipe.launch --nprocs 4 script.py)")
     with pytest.raises(ValueError) as err:
         staticpipe.plan_of(net.main).stages_of_process((0, 2))
-    assert str(err.value) == ("the job has 2 processes but the plan has 2 devices ['gpu:0', 'gpu:1'] x dp_degree 2; "
-                              "launch 4 processes (one per device x dp_degree 2)")
+    assert str(err.value) == ("the job has 2 processes but the plan has 2 devices ['gpu:0', 'gpu:1'] x dp_degree=2; "
+                              "launch 4 processes (one per device x dp_degree=2)")
+    sharded = build_mlp(num_stages=2)  # fleet's dp_degree 1 x sharding_degree 2: named as the user set them
+    minimize(sharded, paddle.optimizer.SGD(0.1), dict(num_microbatches=2, dp_degree=2, sharding_degree=2))
+    with pytest.raises(ValueError) as err:
+        staticpipe.plan_of(sharded.main).stages_of_process((0, 6))
+    assert str(err.value) == ("the job has 6 processes but the plan has 2 devices ['gpu:0', 'gpu:1'] x dp_degree=1 x "
+                              "sharding_degree=2; launch 4 processes (one per device x dp_degree=1 x sharding_degree=2)")
     with pytest.raises(ValueError, match=r"^dp_degree must be an integer >= 1, got 0$"):
         staticpipe.PipelineOptimizer(paddle.optimizer.SGD(0.1), dp_degree=0)
 

@@ -420,3 +420,177 @@ def test_fleet_sharding_configs_give_the_replicas_and_the_sharding_groups(settin
     plan = staticpipe.plan_of(main)
     assert (plan.dp_degree, plan.sharding_degree, plan.replica_batches) == (replicas, shards, "own")
     assert all(len(st.shard_optimize) == shards for st in plan.stages)
+
+
+def test_build_strategy_and_other_plain_properties_set_as_on_paddles_own_strategy():
+    """Paddle 2.6's build_strategy setter asks protobuf 7 for ``label``: here it sets what Paddle 3.3's sets."""
+    build = paddle.static.BuildStrategy()
+    build.enable_addto, build.fuse_elewise_add_act_ops = True, True
+    ours = fleet.DistributedStrategy()
+    ours.build_strategy = build
+    assert (ours.build_strategy.enable_addto, ours.build_strategy.fuse_elewise_add_act_ops) == (True, True)
+    if PADDLE_MAJOR >= 3:  # Paddle's own setter works with today's protobuf there: the same message
+        paddles = paddle.distributed.fleet.DistributedStrategy()
+        paddles.build_strategy = build
+        assert str(ours.strategy.build_strategy) == str(paddles.strategy.build_strategy)
+    else:
+        execution = paddle.static.ExecutionStrategy()
+        execution.num_threads = 2
+        ours.execution_strategy = execution
+        assert ours.execution_strategy.num_threads == 2
+    # a name Paddle's strategy lacks (its property is _calc_comm_same_stream) fares as on Paddle's own class
+    outcomes = []
+    for strategy in (fleet.DistributedStrategy(), paddle.distributed.fleet.DistributedStrategy()):
+        try:
+            strategy.calc_comm_same_stream = True
+            outcomes.append(("set", strategy._calc_comm_same_stream))
+        except TypeError as err:
+            outcomes.append(("refused", str(err)))
+    assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize("degree", [0, -1])
+def test_a_sharding_degree_below_one_is_refused_naming_it(degree):
+    def configure(s):
+        s.sharding = True
+        s.sharding_configs = {"sharding_degree": degree, "pp_degree": 2}
+    assert refusal(configure) == (
+        f"strategy.sharding_configs['sharding_degree'] = {degree} (strategy.sharding = True): sharding_degree must "
+        "be an integer >= 1 (the replicas that share one copy of the optimizer state; 1: not sharded)")
+    assert refusal(lambda s: setattr(s, "hybrid_configs", {"dp_degree": 0, "pp_degree": 2})) == (
+        "strategy.hybrid_configs['dp_degree'] = 0: dp_degree must be an integer >= 1 (the data-parallel replicas; "
+        "-1: the launched processes over the others)")
+
+
+def test_get_loss_scaling_is_the_amp_decorators_variable_as_in_paddle(tmp_path):
+    fleet.init(is_collective=True)
+    strategy = fleet.DistributedStrategy()
+    strategy.pipeline, strategy.amp = True, True
+    strategy.pipeline_configs = {"accumulate_steps": 2, "micro_batch_size": 2}
+    strategy.amp_configs = {"init_loss_scaling": 1024.0}
+    main, startup, loss = fc_chain()
+    opt = fleet.distributed_optimizer(paddle.optimizer.SGD(0.1), strategy)
+    with pytest.raises(AssertionError, match=r"^Please call minimize\(\) before calling get_loss_scaling\(\)\.$"):
+        opt.get_loss_scaling()  # Paddle's decorator's own check
+    with paddle.static.program_guard(main, startup):
+        opt.minimize(loss)
+    scaling = opt.get_loss_scaling()
+    assert opt._get_applied_meta_list() == fleet._get_applied_meta_list() == ["AMPOptimizer", "PipelineOptimizer"]
+    assert scaling is opt._inner._loss_scaling and scaling.persistable and main.global_block().has_var(scaling.name)
+    exe = staticpipe.Executor()
+    exe.run(startup)
+    feed = {"x": np.ones((4, 4), np.float32), "y": np.zeros((4, 1), np.int64)}
+    assert exe.run(main, feed=feed, fetch_list=[scaling])[0].tolist() == [1024.0]
+    exe.close()
+    plain = fleet.distributed_optimizer(paddle.optimizer.SGD(0.1), fleet.DistributedStrategy())
+    for call, name in ((plain.get_loss_scaling, "get_loss_scaling"), (lambda: plain.qat_init(None), "qat_init")):
+        with pytest.raises(AssertionError) as err:  # Paddle's type; a ValueError too
+            call()
+        assert isinstance(err.value, ValueError)
+    assert str(err.value) == ("qat_init can only be used when the qat(quantization aware training) strategy is turned "
+                              "on (strategy.qat = True), which staticpipe does not implement")
+    with pytest.raises(ValueError, match=r"^get_loss_scaling can only be used when the amp\(auto mixed precision\) "
+                       r"strategy is turned on \(strategy.amp = True\), as in Paddle's fleet$"):
+        plain.get_loss_scaling()
+    assert (plain.user_defined_optimizer, plain._user_defined_strategy) == (plain.inner_opt,
+                                                                            plain.user_defined_strategy)
+
+
+class _PaddlesRoles:
+    def __init__(self, index, num):
+        self._worker_index, self._worker_num = (lambda: index), (lambda: num)
+
+
+def test_fleet_module_functions_in_one_process_as_paddles(monkeypatch, caplog, capsys):
+    for name in ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_TRAINER_ENDPOINTS"):
+        monkeypatch.delenv(name, raising=False)
+    names = [n for n in ("util", "UtilBase", "all_reduce", "worker_endpoints", "node_num", "is_worker", "is_server",
+                         "rank", "nranks", "world_size", "rank_in_node", "init_worker", "stop_worker",
+                         "save_persistables", "minimize", "barrier_worker", "is_first_worker")]
+    assert [n for n in names if not hasattr(paddle.distributed.fleet, n)] == []  # all Paddle's names
+    fleet.init(is_collective=True)
+    assert (fleet.worker_endpoints(), fleet.worker_endpoints(to_string=True), fleet.node_num()) == (
+        ["127.0.0.1:6170"], "127.0.0.1:6170", 1)  # Paddle's non-distributed role maker's
+    assert (fleet.is_worker(), fleet.is_server(), fleet.rank(), fleet.nranks(), fleet.world_size()) == (
+        True, False, 0, 1, 1)
+    assert fleet.util.all_reduce((1, 2)) == (1, 2) and fleet.all_reduce(3) == 3 and fleet.util.all_gather(5) == 5
+    fleet.util.barrier()
+    fleet.util.print_on_rank("rank 0 here", 0)
+    fleet.util.print_on_rank("rank 1 here", 1)
+    assert capsys.readouterr().out == "rank 0 here\n"
+    with pytest.raises(ValueError, match=r"^all_reduce mode='mean': Paddle's fleet reduces with one of "):
+        fleet.util.all_reduce([1], "mean")
+    with pytest.raises(TypeError, match="^files should be a list of file need to be read.$"):
+        fleet.util.get_file_shard("a")
+    files = [f"part-{i}" for i in range(7)]
+    paddles = paddle.distributed.fleet.UtilBase()
+    for num in (1, 2, 3, 4, 9):
+        for index in range(num):
+            monkeypatch.setenv("PADDLE_TRAINERS_NUM", str(num))
+            monkeypatch.setenv("PADDLE_TRAINER_ID", str(index))
+            paddles._set_role_maker(_PaddlesRoles(index, num))
+            assert fleet.util.get_file_shard(files) == paddles.get_file_shard(files), (num, index)
+    monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170")
+    assert (fleet.worker_endpoints(), fleet.node_num()) == (
+        ["10.0.0.1:6170", "10.0.0.1:6171", "10.0.0.2:6170"], 2)
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    caplog.set_level("WARNING", logger="staticpipe")
+    for call, name in ((fleet.init_worker, "init_worker"), (fleet.stop_worker, "stop_worker"),
+                       (lambda: fleet.save_persistables(None, "d"), "save_persistables")):
+        caplog.clear()
+        assert call() is None
+        assert caplog.messages == [f"{name}() function doesn't work when use non_distributed fleet."]
+    with pytest.raises(ValueError, match=r"^fleet.minimize before fleet.distributed_optimizer"):
+        fleet.minimize(None)
+    main, startup, loss = fc_chain(("gpu:0",))
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")  # launched: Paddle's runtime is made by minimize
+    monkeypatch.setenv("PADDLE_TRAINER_ID", "0")
+    with pytest.raises(ValueError, match=r"^fleet.stop_worker before minimize: Fleet can not find suitable runtime"):
+        fleet.stop_worker()
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "1")
+    opt = fleet.distributed_optimizer(paddle.optimizer.SGD(0.1))
+    with paddle.static.program_guard(main, startup):
+        assert fleet.minimize(loss) is not None and staticpipe.plan_of(main) is opt.plan
+    monkeypatch.setenv("PADDLE_TRAINERS_NUM", "2")
+    caplog.clear()
+    fleet.init_worker()
+    fleet.save_persistables(None, "d")
+    assert caplog.messages == [
+        "You should not call 'init_worker' method for collective mode.",
+        "fleet.save_persistables(dirname='d') saves nothing in a collective job, as Paddle's fleet; save with "
+        "paddle.static.save_persistables(executor, dirname, main_program) or staticpipe.save"]
+
+
+UTIL_SCRIPT = """
+import json, sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+from staticpipe import fleet
+fleet.init(is_collective=True)
+rank = fleet.worker_index()
+got = dict(sum=fleet.util.all_reduce([rank + 1, 10 * rank], "sum").tolist(),
+           max=fleet.all_reduce(np.array([[rank, -rank]], np.float32), "max").tolist(),
+           min=fleet.util.all_reduce((rank + 1.5,), mode="min").tolist(),
+           gathered=fleet.util.all_gather(rank * 3), shard=fleet.util.get_file_shard(["a", "b", "c"]),
+           endpoints=fleet.worker_endpoints(), nodes=fleet.node_num())
+fleet.util.barrier()
+fleet.util.print_on_rank("printed by " + str(rank), 1)
+json.dump(got, open({out!r} + "/util_%d.json" % rank, "w"))
+"""
+
+
+def test_fleet_util_over_a_launched_job(tmp_path):
+    script = tmp_path / "util.py"
+    script.write_text(UTIL_SCRIPT.format(repo=REPO, out=str(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PADDLE_")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", "staticpipe.launch", "--nprocs", "2", str(script)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    import json
+    got = [json.load(open(tmp_path / f"util_{r}.json")) for r in range(2)]
+    for rank, mine in enumerate(got):
+        assert mine["sum"] == [3, 10] and mine["max"] == [[1.0, 0.0]] and mine["min"] == [1.5]
+        assert mine["gathered"] == [0, 3] and mine["shard"] == [["a", "b"], ["c"]][rank]
+        assert len(mine["endpoints"]) == 2 and mine["nodes"] == 1
+    assert "printed by 1" in done.stdout + done.stderr and "printed by 0" not in done.stdout + done.stderr

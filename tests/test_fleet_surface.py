@@ -74,17 +74,31 @@ def test_ranks_and_device_ids_in_one_process_and_from_the_launchers_variables(on
     assert (fleet.local_rank(), fleet.local_device_ids(), fleet.world_device_ids()) == ("1", "5", "4,5,4,5")
 
 
-def test_the_hybrid_group_follows_the_process_layout_with_sharding_groups_of_consecutive_replicas():
-    """pp 2 x dp 2 x sharding 2 = 8 processes: process g runs pipeline rank g % 2 of replica q = g // 2;
-    replica q is data-parallel rank q // 2 and sharding rank q % 2."""
-    from paddle.distributed.fleet.base.topology import ParallelMode
+def test_the_hybrid_group_follows_fleets_process_layout():
+    """pp 2 x dp 2 x sharding 2 = 8 processes, laid out as fleet lays them out (outermost first: data, pipe,
+    sharding): the same coordinates as Paddle's own topology for every process and a grid of degrees, so a
+    script that works out its data shard from its process rank as Paddle's do is fed its replica's batches."""
+    from paddle.distributed.fleet.base.topology import CommunicateTopology, ParallelMode
 
     got = [fleet.HybridCommunicateGroup(g, 8, pp=2, dp=2, sharding=2) for g in range(8)]
-    assert [h.get_stage_id() for h in got] == [0, 1] * 4
+    assert [h.get_stage_id() for h in got] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [h.get_data_parallel_rank() for h in got] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert [h.get_sharding_parallel_rank() for h in got] == [0, 0, 1, 1, 0, 0, 1, 1]
-    assert [(h.is_first_stage, h.is_last_stage) for h in got[:2]] == [(True, False), (False, True)]
-    assert [h.get_rank_from_stage(0) for h in got] == [0, 0, 2, 2, 4, 4, 6, 6]
+    assert [h.get_sharding_parallel_rank() for h in got] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert [(h.is_first_stage, h.is_last_stage) for h in got[:3]] == [(True, False), (True, False), (False, True)]
+    assert [h.get_rank_from_stage(0) for h in got] == [0, 1, 0, 1, 4, 5, 4, 5]
+    assert got[5].get_rank_from_stage(1, data=0) == 3 and got[5].get_rank_from_stage(0, sharding=0) == 4
+    with pytest.raises(ValueError, match=r"get_rank_from_stage: \{'model': 1\} names no process of this job"):
+        got[5].get_rank_from_stage(0, model=1)
+    for dp, pp, sharding in [(1, 2, 2), (2, 2, 2), (1, 4, 2), (2, 2, 4), (3, 2, 1), (2, 3, 2)]:
+        n = dp * pp * sharding
+        paddles = CommunicateTopology(["data", "pipe", "sharding", "sep", "model"], [dp, pp, sharding, 1, 1])
+        for g in range(n):
+            h, coord = fleet.HybridCommunicateGroup(g, n, pp=pp, dp=dp, sharding=sharding), paddles.get_coord(g)
+            where = (dp, pp, sharding, g)
+            assert (h.get_data_parallel_rank(), h.get_stage_id(), h.get_sharding_parallel_rank()) \
+                == (coord.data, coord.pipe, coord.sharding), where
+            assert [h.get_rank_from_stage(s) for s in range(pp)] \
+                == [paddles.get_rank_from_stage(g, pipe=s) for s in range(pp)], where
     h = got[5]
     assert (h.get_global_rank(), h.get_data_parallel_world_size(), h.get_pipe_parallel_world_size(),
             h.get_sharding_parallel_world_size(), h.get_model_parallel_world_size(), h.get_model_parallel_rank(),
@@ -104,7 +118,7 @@ def test_before_minimize_the_group_comes_from_the_strategy_given_to_init(one_pro
     fleet.init(is_collective=True, strategy=strategy)
     h = fleet.get_hybrid_communicate_group()
     assert (h.get_stage_id(), h.get_data_parallel_rank(), h.get_sharding_parallel_rank(),
-            h.get_data_parallel_world_size(), h.get_sharding_parallel_world_size()) == (1, 1, 0, 2, 2)
+            h.get_data_parallel_world_size(), h.get_sharding_parallel_world_size()) == (0, 1, 1, 2, 2)  # fleet's layout
     hybrid = fleet.DistributedStrategy()
     hybrid.hybrid_configs = {"pp_degree": 4}  # dp_degree -1: the processes over the pipeline
     fleet.init(is_collective=True, strategy=hybrid)

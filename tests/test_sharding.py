@@ -77,7 +77,7 @@ SCRIPT = textwrap.dedent("""
     if fetched is not None:  # the member holding it: its value after the step; the others None
         np.save(os.path.join(out, f"fetched_{{rank}}.npy"), fetched)
     shard = plan.shard_of_process((rank, int(env["PADDLE_TRAINERS_NUM"])))
-    stages = [s for s in plan.stages if s.rank == rank % len(plan.ranks)]
+    stages = plan.stages_of_process((rank, int(env["PADDLE_TRAINERS_NUM"])))
     predicted = sum(plan.memory.stages[s.index].held_state_bytes(shard) for s in stages)
     measured = sum(v.nbytes for n, v in state.items() if any(
         n in s.persistables and n not in s.parameters for s in stages))
@@ -133,8 +133,9 @@ def check_ranks(states, memory, want, plan, dp: int, shards: int, out) -> None:
     pipeline = len(plan.ranks)
     assert len(states) == pipeline * dp
     for rank, state in enumerate(states):
-        shard = rank // pipeline % shards
-        stages = [s for s in plan.stages if s.rank == rank % pipeline]
+        replica, pipeline_rank = plan.place_of_process(rank)  # fleet's layout: test_fleet_surface checks it
+        shard = replica % shards
+        stages = [s for s in plan.stages if s.rank == pipeline_rank]
         sharded = {n: j for s in stages for n, j in s.state_shards.items()}
         assert sharded and {n for n in state if n in sharded} == {n for n, j in sharded.items() if j == shard}, \
             f"rank {rank} (shard {shard}) holds another shard's state or lacks its own"
@@ -149,7 +150,7 @@ def check_ranks(states, memory, want, plan, dp: int, shards: int, out) -> None:
         if value is not None:
             np.testing.assert_array_equal(value, states[rank][moment])
     for r in range(pipeline):  # a group's shards together: the whole state of its stages, each name once
-        held = [n for k in range(shards) for n in states[k * pipeline + r] if n in {
+        held = [n for k in range(shards) for n in states[plan.process_of(k, r)] if n in {
             n for s in plan.stages if s.rank == r for n in s.state_shards}]
         assert len(held) == len(set(held)) and set(held) == {n for s in plan.stages if s.rank == r
                                                               for n in s.state_shards}

@@ -29,11 +29,13 @@ it is on with a degree or setting that changes what training computes; at degree
 Momentum, DGC without replicas), it runs. Settings that only tune Paddle's own collectives (fusion sizes,
 NCCL rings, hierarchical allreduce) change nothing here.
 
-Besides: ``local_rank``, ``local_device_ids``, ``world_device_ids``, ``barrier_worker`` and
-``get_hybrid_communicate_group`` (``topology.py``), ``_final_strategy`` and ``_get_applied_meta_list``, and after
-``minimize`` of a pipeline (``strategy.pipeline``) the main program's ``_pipeline_opt`` (``pipeline_opt.py``).
-The package's modules: ``strategy`` (the strategy class), ``refusals`` (what is refused, and the degrees),
-``topology`` (ranks and groups), ``pipeline_opt``; the functions a script calls are here.
+Besides: ``local_rank``, ``local_device_ids``, ``world_device_ids`` and ``get_hybrid_communicate_group``
+(``topology.py``); ``util``, ``barrier_worker``, ``all_reduce``, ``worker_endpoints``, ``node_num`` and the
+parameter-server calls Paddle's collective fleet only warns about (``util_base.py``); ``minimize``,
+``_final_strategy`` and ``_get_applied_meta_list``, and after ``minimize`` of a pipeline (``strategy.pipeline``)
+the main program's ``_pipeline_opt`` (``pipeline_opt.py``). The package's modules: ``strategy`` (the strategy
+class), ``refusals`` (what is refused, and the degrees), ``topology`` (ranks and groups), ``util_base``
+(job-wide helpers), ``pipeline_opt``; the functions a script calls are here.
 """
 from __future__ import annotations
 
@@ -42,7 +44,6 @@ from typing import Any
 
 from .._paddle import paddle
 from ..optimizer import PipelineOptimizer
-from ..placement import launched_world
 from .pipeline_opt import set_pipeline_opt
 # every name staticpipe/fleet.py had stays importable from here (noqa: the re-exported ones)
 from .refusals import (HYBRID_ONE, NO_MERGE, ZERO_1, OFFLOAD, ONLY_PP_DP, REFUSED_SWITCHES, _degrees, _refuse,
@@ -50,6 +51,8 @@ from .refusals import (HYBRID_ONE, NO_MERGE, ZERO_1, OFFLOAD, ONLY_PP_DP, REFUSE
 from .strategy import _MODULE, _PADDLE, CONFIGS, ConfigKeyError, DistributedStrategy, config_of  # noqa: F401
 from .topology import (HybridCommunicateGroup, hybrid_group, local_device_ids, local_rank, world_device_ids,
                        worker_index, worker_num)
+from .util_base import (UtilBase, all_reduce, barrier_worker, is_server, is_worker, node_num, not_in_collective, util,
+                        worker_endpoints)
 
 SCHEDULES = {"1F1B": "1F1B", "F-then-B": "F-then-B"}  # Paddle's schedule_mode names
 # switches Paddle's fleet turns off in its valid strategy when their meta-optimizer does not apply; here: all
@@ -75,6 +78,39 @@ def is_first_worker() -> bool:
     return worker_index() == 0
 
 
+rank, nranks, world_size, rank_in_node = worker_index, worker_num, worker_num, local_rank  # Paddle's aliases
+
+
+def init_worker(scopes: Any = None) -> None:
+    """Paddle's ``fleet.init_worker``, for parameter servers: a collective job's only warns (``util_base``)."""
+    not_in_collective("init_worker", "minimized" in _initialised,
+                      "You should not call 'init_worker' method for collective mode.")
+
+
+def stop_worker() -> None:
+    """Paddle's ``fleet.stop_worker``, for parameter servers: a collective job's only warns."""
+    not_in_collective("stop_worker", "minimized" in _initialised,
+                      "You should not call 'stop_worker' method for collective mode.")
+
+
+def save_persistables(executor: Any, dirname: str, main_program: Any = None, mode: int = 0) -> None:
+    """Paddle's ``fleet.save_persistables``: in a collective job Paddle's saves nothing (its collective
+    runtime's does nothing), and neither does this, with a warning saying so."""
+    not_in_collective("save_persistables", "minimized" in _initialised,
+                      f"fleet.save_persistables(dirname={dirname!r}) saves nothing in a collective job, as Paddle's "
+                      "fleet; save with paddle.static.save_persistables(executor, dirname, main_program) or "
+                      "staticpipe.save")
+
+
+def minimize(loss: Any, startup_program: Any = None, parameter_list: Any = None, no_grad_set: Any = None) -> Any:
+    """Paddle's ``fleet.minimize``: the last ``distributed_optimizer``'s ``minimize``."""
+    optimizer = _initialised.get("optimizer")
+    if optimizer is None:
+        raise ValueError("fleet.minimize before fleet.distributed_optimizer: call "
+                         "fleet.distributed_optimizer(optimizer, strategy) first")
+    return optimizer.minimize(loss, startup_program, parameter_list, no_grad_set)
+
+
 def distributed_optimizer(optimizer: Any, strategy: Any = None) -> DistributedOptimizer:
     """Paddle's ``fleet.distributed_optimizer``: ``optimizer`` trained as ``strategy`` says (the one given
     to ``fleet.init`` when None)."""
@@ -83,7 +119,8 @@ def distributed_optimizer(optimizer: Any, strategy: Any = None) -> DistributedOp
     strategy = strategy if strategy is not None else _initialised.get("strategy") or DistributedStrategy()
     if not hasattr(strategy, "strategy"):
         raise ValueError(f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}")
-    return DistributedOptimizer(optimizer, strategy)
+    _initialised["optimizer"] = DistributedOptimizer(optimizer, strategy)
+    return _initialised["optimizer"]
 
 
 class DistributedOptimizer:
@@ -91,6 +128,7 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer: Any, strategy: Any):
         self.inner_opt, self.user_defined_strategy = optimizer, strategy
+        self.user_defined_optimizer, self._user_defined_strategy = optimizer, strategy  # Paddle's Fleet's names
         self.pipeline: PipelineOptimizer | None = None
         self._inner = _decorated(optimizer, strategy)  # refusals first, before a program is touched
 
@@ -131,9 +169,35 @@ class DistributedOptimizer:
             raise ValueError("amp_init before minimize: call minimize(loss) first, then run the startup program")
         self.pipeline.amp_init(place, scope, test_program, **kwargs)
 
+    def get_loss_scaling(self) -> Any:
+        """Paddle's: the AMP decorator's loss-scaling variable (``strategy.amp``, or an optimizer decorated
+        already), which a script fetches to read the real-time factor."""
+        return self._amp("get_loss_scaling").get_loss_scaling()
+
+    def _amp(self, name: str) -> Any:
+        if not hasattr(self._inner, "amp_init"):
+            raise StrategyOffError(f"{name} can only be used when the amp(auto mixed precision) strategy is turned on "
+                                   "(strategy.amp = True), as in Paddle's fleet")
+        return self._inner
+
+    def qat_init(self, place: Any, scope: Any = None, test_program: Any = None) -> None:
+        """Paddle's: only with ``strategy.qat``, which staticpipe refuses (it does not implement QAT)."""
+        raise StrategyOffError("qat_init can only be used when the qat(quantization aware training) strategy is turned "
+                               "on (strategy.qat = True), which staticpipe does not implement")
+
+    def _final_strategy(self) -> Any:  # Paddle's distributed optimizer is its Fleet, which has these
+        return _final_strategy()
+
+    def _get_applied_meta_list(self) -> list[str]:
+        return _get_applied_meta_list()
+
     @property
     def plan(self):
         return self.pipeline.plan if self.pipeline is not None else None
+
+
+class StrategyOffError(ValueError, AssertionError):
+    """A call for a strategy that is off: an AssertionError as Paddle's, a ValueError as staticpipe's."""
 
 
 def _decorated(optimizer: Any, strategy: Any) -> Any:
@@ -154,24 +218,6 @@ def _decorated(optimizer: Any, strategy: Any) -> Any:
     return paddle.static.amp.decorate(optimizer, lists, *(amp[key] for key in (
         "init_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio",
         "use_dynamic_loss_scaling", "use_pure_fp16", "use_fp16_guard")))
-
-
-def barrier_worker() -> None:
-    """Paddle's ``fleet.barrier_worker``: wait until every process of the job calls it (nothing to wait for
-    in one process). Over ``paddle.distributed``'s job group, which it joins if no ``staticpipe.Executor``
-    has yet (Paddle's own waits only where its launcher started gloo, and warns and returns otherwise)."""
-    if launched_world() is None:
-        return
-    import paddle.distributed as dist
-
-    from ..placement import cuda_device_count, process_gpu
-    from ..runtime.distributed import init_distributed
-
-    if not dist.is_initialized():
-        init_distributed()
-    gpu = process_gpu() if cuda_device_count() else None
-    with paddle.base.dygraph.guard(paddle.CPUPlace() if gpu is None else paddle.CUDAPlace(gpu)):
-        dist.barrier()
 
 
 def get_hybrid_communicate_group() -> HybridCommunicateGroup:
@@ -220,4 +266,7 @@ def _applied(strategy: Any, checkpoints: bool) -> list[str]:
 
 __all__ = ["DistributedStrategy", "DistributedOptimizer", "init", "worker_index", "worker_num", "is_first_worker",
            "distributed_optimizer", "local_rank", "local_device_ids", "world_device_ids", "barrier_worker",
-           "get_hybrid_communicate_group", "HybridCommunicateGroup", "ConfigKeyError", "config_of", "CONFIGS"]
+           "get_hybrid_communicate_group", "HybridCommunicateGroup", "ConfigKeyError", "config_of", "CONFIGS", "util",
+           "UtilBase", "all_reduce", "worker_endpoints", "node_num", "is_worker", "is_server", "rank", "nranks",
+           "world_size", "rank_in_node", "init_worker", "stop_worker", "save_persistables", "minimize",
+           "StrategyOffError"]

@@ -36,7 +36,7 @@ def pipeline_opt(plan: Plan, schedule_mode: str, parameters: dict | None = None)
     -> {section kind -> program} of those stages. ``place`` / ``place_id``: the place (and GPU id, 0 on CPU)
     of this process's first stage."""
     world = launched_world()
-    rank = world[0] % len(plan.ranks) if world else 0
+    rank = plan.place_of_process(world[0])[1] if world else 0
     shard = plan.shard_of_process(world)
     local = [s for s in plan.stages if world is None or s.rank == rank]
     sections = {s.index: {kind: _section(s, kind, shard).program for kind in SECTION_KINDS if kind in s.sections}

@@ -22,6 +22,9 @@ NO_MERGE = ("staticpipe does not merge gradients over steps; set it to 1 (a step
 ZERO_1 = ("staticpipe shards the optimizer state only (ZeRO stage 1: sharding_configs['stage'] = 1); gradients and "
           "parameters (stages 2 and 3) are not sharded; set it to 1")
 OFFLOAD = "staticpipe does not offload %s to host memory; unset it"
+DEGREES = {"dp_degree": "the data-parallel replicas; -1: the launched processes over the others",
+           "pp_degree": "the pipeline's devices", "sharding_degree": "the replicas that share one copy of the "
+           "optimizer state; 1: not sharded"}
 
 
 def _setting(configs: str, key: str, value: Any, switch: str | None = None) -> str:
@@ -98,6 +101,11 @@ def _degrees(strategy: Any) -> tuple[int | None, tuple[str, int] | None, int]:
         given["sharding_degree"].update({configs: values["sharding_degree"]}
                                         if values.get("sharding_degree", 1) != 1 else {})
     for key, values in given.items():
+        for configs, value in values.items():  # -1 (dp_degree's default) is left to the job above
+            if not isinstance(value, int) or value < 1:
+                switch = "sharding" if configs == "sharding_configs" else None
+                raise ValueError(f"{_setting(configs, key, value, switch)}: {key} must be an integer >= 1 "
+                                 f"({DEGREES[key]})")
         if len(set(values.values())) > 1:
             raise ValueError(f"{_setting('hybrid_configs', key, values['hybrid_configs'])} but "
                              f"{_setting('sharding_configs', key, values['sharding_configs'], 'sharding')}: Paddle's "

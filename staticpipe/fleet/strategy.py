@@ -6,6 +6,10 @@ its getters fail and its setters with them ("sharding_configs is not a attribute
 This class runs Paddle's own getter and setter of every ``*_configs`` property that uses those helpers,
 with Paddle 3.3's label-free helpers where Paddle's fail: names, defaults and merging stay Paddle's, and an
 unknown key is refused (an ``AssertionError``, as Paddle's, and a ``ValueError``) naming the keys there are.
+Paddle 2.6's ``build_strategy`` setter asks for ``label`` itself: there it is Paddle 3.3's setter. (Names
+Paddle's own strategy lacks stay refused as Paddle refuses them: ``calc_comm_same_stream`` is Paddle's
+``_calc_comm_same_stream``; Paddle 2.6 raises TypeError for the public name, Paddle 3.3 keeps it as a plain
+attribute that changes nothing.)
 
 Why a module of its own: the protobuf plumbing is independent of what fleet's functions do with a strategy.
 """
@@ -106,9 +110,23 @@ class DistributedStrategy(_PADDLE):
     """Paddle's ``fleet.DistributedStrategy``, its ``*_configs`` readable and settable with any protobuf."""
 
 
+def _set_build_strategy(self: Any, strategy: Any) -> None:
+    """Paddle's ``build_strategy`` setter as Paddle 3.3 has it: Paddle 2.6's asks each field for its ``label``."""
+    for f in self.strategy.build_strategy.DESCRIPTOR.fields:
+        if not _is_repeated(f):  # optional and required fields
+            value = getattr(strategy, f.name)
+            setattr(self.strategy.build_strategy, f.name,
+                    _MODULE.ReduceStrategyFleet(value) if f.name == "reduce_strategy" else value)
+        else:
+            getattr(self.strategy.build_strategy, f.name).extend(getattr(strategy, f.name))
+
+
 CONFIGS = _configs_properties()
 for _name, _property in CONFIGS.items():
     setattr(DistributedStrategy, _name, _property)
+if not _paddles_helpers_work():  # the other properties that ask for label (sparse_table_configs: parameter server)
+    DistributedStrategy.build_strategy = property(_PADDLE.build_strategy.fget, _MODULE.is_strict_auto(
+        _set_build_strategy), doc=_PADDLE.build_strategy.__doc__)
 
 
 def config_of(strategy: Any, name: str) -> dict:

@@ -1,10 +1,12 @@
 """Where this process stands in the job, with fleet's names: ranks, device ids and the hybrid group.
 
 Why a module of its own: these answers come from staticpipe's own process layout, not from Paddle's
-launcher alone. With a ``p``-rank pipeline and R replicas of it, process ``k * p + r`` of a launched job runs
-pipeline rank ``r`` of replica ``k`` (``runtime/distributed.py``); with ZeRO-1 sharding of degree ``s``,
-R = dp_degree x s and replica ``k`` is data-parallel rank ``k // s`` and sharding rank ``k % s`` (a sharding
-group is ``s`` consecutive replicas). One process (no launcher) runs every stage, as threads.
+launcher alone. The layout is fleet's (``plan.process_of``): with a ``p``-rank pipeline and R replicas of
+it, process ``k * p + r`` of a launched job runs pipeline rank ``r`` of replica ``k``; with ZeRO-1 sharding
+of degree ``s``, R = dp_degree x s, replica ``k`` is data-parallel rank ``k // s`` and sharding rank
+``k % s``, and process ``((k // s) * p + r) * s + k % s`` runs its pipeline rank ``r`` (the members of a
+sharding group are neighbours, as in fleet's static ShardingOptimizer). One process (no launcher) runs
+every stage, as threads.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 from typing import Any
 
 from ..placement import cuda_device_count, launched_world, process_gpu
+from ..plan import place_of_process, process_of
 from .strategy import config_of
 
 
@@ -92,8 +95,7 @@ class HybridCommunicateGroup:
         self.global_rank, self.nranks = global_rank, nranks
         self._pp_degree, self._dp_degree, self._sharding_degree = pp, dp, sharding
         self._mp_degree = self._sep_degree = 1
-        replica = global_rank // pp
-        self.stage_id = global_rank % pp
+        replica, self.stage_id = place_of_process(global_rank, pp, sharding)
         self._data_parallel_id, self._sharding_parallel_id = replica // sharding, replica % sharding
         self._model_parallel_id = self._sep_parallel_id = 0
         self.is_first_stage = self.stage_id == 0
@@ -149,9 +151,16 @@ class HybridCommunicateGroup:
     def get_sharding_parallel_world_size(self) -> int:
         return self._sharding_degree
 
-    def get_rank_from_stage(self, stage_id: int) -> int:
-        """The process that runs pipeline rank ``stage_id`` of this process's replica."""
-        return self.global_rank - self.stage_id + stage_id
+    def get_rank_from_stage(self, stage_id: int, **kwargs: int) -> int:
+        """The process that runs pipeline rank ``stage_id`` of this process's replica (``data=`` or
+        ``sharding=``, as Paddle's, of another's)."""
+        unknown = sorted(set(kwargs) - {"data", "sharding", "model", "sep"})
+        if unknown or kwargs.get("model", 0) or kwargs.get("sep", 0):
+            raise ValueError(f"get_rank_from_stage: {kwargs} names no process of this job (its axes: data, "
+                             "sharding; model and sep parallelism have degree 1 here)")
+        replica = (kwargs.get("data", self._data_parallel_id) * self._sharding_degree
+                   + kwargs.get("sharding", self._sharding_parallel_id))
+        return process_of(replica, stage_id, self._pp_degree, self._sharding_degree)
 
 
 def hybrid_group(plan: Any, strategy: Any) -> HybridCommunicateGroup:

@@ -22,7 +22,7 @@ earlier group (measured with 4 processes: "Connection refused", "address.cc ... 
 timeouts in about half the runs; 0 failures in repeated runs with a store per group).
 
 Data x pipeline parallelism: with ``dp`` replicas of a ``p``-rank pipeline, process ``k * p + r`` runs
-pipeline rank ``r`` of replica ``k``. Messages stay inside a replica; the cross-stage reductions run on
+pipeline rank ``r`` of replica ``k`` (with ZeRO-1, fleet's layout: ``plan.process_of``). Messages stay inside a replica; the cross-stage reductions run on
 the replica's pipeline group, the gradient averages on the group of the ranks that hold the same stages.
 The same two groups carry the broadcasts that give every process one initial state (``startup_sync.py``).
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import itertools
 import json
 import os
@@ -43,6 +44,7 @@ import numpy as np
 from .._paddle import core, paddle
 from .channel import Channel, Message, PipelineAborted
 from ..placement import connects_lazily, cuda_device_count, place_of, process_gpu, transfer_device
+from ..plan import place_of_process, process_of
 
 STORE_TIMEOUT_S = 900  # how long a group's rendezvous waits for its members
 _GROUPS_MADE = itertools.count()  # same sequence on every rank: groups are made in the same order
@@ -62,24 +64,25 @@ class DistributedChannel(Channel):
         self._place = place_of(transfer_device(dist.get_backend(), process_gpu()))
         self.rank, size = dist.get_rank(), dist.get_world_size()
         self.replicas = size // pipeline_size
-        replica, pipeline_rank = divmod(self.rank, pipeline_size)
-        self.stage_ranks = [replica * pipeline_size + r for r in stage_ranks]  # stage -> process
+        at = self._process = functools.partial(process_of, pipeline=pipeline_size, sharding=sharding)
+        replica, pipeline_rank = place_of_process(self.rank, pipeline_size, sharding)
+        self.stage_ranks = [at(replica, r) for r in stage_ranks]  # stage -> process
         self._box: dict[tuple[int, str], Message] = {}
         self._aborted: str | None = None
         self._send_error: BaseException | None = None
-        replicas = [list(range(k * pipeline_size, (k + 1) * pipeline_size)) for k in range(self.replicas)]
+        replicas = [[at(k, r) for r in range(pipeline_size)] for k in range(self.replicas)]
         with self._eager():  # every rank creates every group, in the same order
             pipelines = [_new_group(ranks) for ranks in replicas]
-            holders = [_new_group(list(range(r, size, pipeline_size))) for r in range(pipeline_size)]
+            holders = [_new_group([at(k, r) for k in range(self.replicas)]) for r in range(pipeline_size)]
             # ZeRO-1: the holders of each pipeline rank in groups of ``sharding`` consecutive replicas
-            shards = {(g, r): _new_group([(g * sharding + j) * pipeline_size + r for j in range(sharding)])
+            shards = {(g, r): _new_group([at(g * sharding + j, r) for j in range(sharding)])
                       for g in range(self.replicas // sharding) for r in range(pipeline_size)} if sharding > 1 else {}
         self._pipeline, self._holders = pipelines[replica], holders[pipeline_rank]
+        self._first_holder = at(0, pipeline_rank)
         self.sharding, self.shard = sharding, replica % sharding if sharding > 1 else None
         self._shard_group = shards.get((replica // sharding, pipeline_rank))
-        self._shard_ranks = [(replica // sharding * sharding + j) * pipeline_size + pipeline_rank for j in range(sharding)]
+        self._shard_ranks = [at(replica // sharding * sharding + j, pipeline_rank) for j in range(sharding)]
         self._pipeline_ranks = replicas[replica]
-        self._pipeline_size = pipeline_size
         self._groups: dict[tuple[int, int], object] = {}  # (sender, receiver) process ranks -> their group
         self._outboxes: dict[int, queue.Queue] = {}
 
@@ -88,8 +91,8 @@ class DistributedChannel(Channel):
         replica) that this channel lacks, and a sender thread for each of this rank's new peers. Group
         creation is collective: every rank calls this for the same plans in the same order, from the
         thread that runs the step (the main thread), never from sender or worker threads."""
-        p = self._pipeline_size
-        new = sorted({(k * p + a, k * p + b) for k in range(self.replicas) for a, b in pairs} - set(self._groups))
+        new = sorted({(self._process(k, a), self._process(k, b)) for k in range(self.replicas) for a, b in pairs}
+                     - set(self._groups))
         lazy = connects_lazily(self._dist.get_backend())
         with self._eager():
             for a, b in new:
@@ -198,7 +201,7 @@ class DistributedChannel(Channel):
         stages in every replica."""
         if self.replicas == 1:
             return message
-        return self._broadcast(message, self.rank % self._pipeline_size, self._holders)
+        return self._broadcast(message, self._first_holder, self._holders)
 
     def shard_exchange(self, mine: Message) -> Message:
         if self.sharding == 1:

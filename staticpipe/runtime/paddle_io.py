@@ -24,6 +24,7 @@ stages'. So:
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .._paddle import core, framework, np, paddle
@@ -50,11 +51,33 @@ def publish(devices: Devices, plan: Plan | None, step: int, scope: Any) -> bool:
     if plan is None:
         return True  # nothing pipelined ran on this executor: the scope is the program's own
     gathered = state.gathered_state_dict(devices, plan, step)
+    _FLUSHED[plan] = (None if gathered is None else weakref.ref(scope), weakref.ref(devices))
     if gathered is None:
         return False
     for name, value in gathered.items():
         scope.var(name).get_tensor().set(value, core.CPUPlace())
     return True
+
+
+_FLUSHED: Any = weakref.WeakKeyDictionary()  # plan -> (the scope its last flush wrote, or None; its devices)
+
+
+def stale(plan: Plan, scope: Any) -> str | None:
+    """Why ``scope`` (``global_scope()``, what ``paddle.static.save`` reads) does not hold ``plan``'s current
+    state, as far as this process can tell; None when it does."""
+    flushed, devices = _FLUSHED.get(plan, (None, None))
+    if devices is None:
+        return "no staticpipe.Executor flushed this pipelined program's state there"
+    if flushed is None:
+        return ("exe.flush() returned False in this process: another rank of the launched job (rank 0) holds "
+                "the whole model; call paddle.static.save where exe.flush() returned True")
+    if flushed() is not scope:
+        return "exe.flush() wrote this program's state into another scope than the current global_scope()"
+    if devices() is None or not devices().workers:
+        return "the executor that flushed this program's state was closed"
+    differ = [n for n, v in state.state_dict(devices(), plan).items()
+              if (found := scope.find_var(n)) is None or not np.array_equal(np.array(found.get_tensor()), v)]
+    return f"the stages changed since the last exe.flush() ({', '.join(differ[:3])}, ...)" if differ else None
 
 
 def run(kind: str, devices: Devices, plan: Plan | None, step: int, plain: Any, program: framework.Program,
@@ -107,9 +130,8 @@ def _names(program: framework.Program) -> list[str]:
 def _owned(devices: Devices, plan: Plan, names: list[str]) -> list[str]:
     """The ``names`` whose owner -- the first stage holding it, in the first replica (ZeRO-1: another shard's
     optimizer state in the replica of the first sharding group that holds it) -- this process runs."""
-    rank, pipeline = devices.world[0], len(plan.ranks)
-    return [n for n in names if (held := plan.stage_of_var(n))
-            and rank == plan.stages[held[0]].state_shards.get(n, 0) * pipeline + plan.stages[held[0]].rank]
+    return [n for n in names if (held := plan.stage_of_var(n)) and devices.world[0] == plan.process_of(
+        plan.stages[held[0]].state_shards.get(n, 0), plan.stages[held[0]].rank)]
 
 
 def _without_gradients(program: framework.Program, plan: Plan) -> framework.Program:
@@ -138,4 +160,4 @@ def _only(program: framework.Program, keep: list[str]) -> framework.Program:
     return program
 
 
-__all__ = ["io_kind", "publish", "run"]
+__all__ = ["io_kind", "publish", "run", "stale"]

@@ -37,9 +37,10 @@ def broadcast_startup_state(devices: Devices, plan: Plan) -> None:
     channel = devices.channel_for(plan)
     channel.reset()  # between steps: nothing left of a failed one
     pipeline = len(plan.ranks)
-    process, me = devices.world[0], devices.world[0] % pipeline
+    process = devices.world[0]
+    replica, me = plan.place_of_process(process)
     owners, holders = _owners(plan)
-    for src in range(pipeline if process < pipeline else 0):  # 1. the first replica: a value several ranks hold
+    for src in range(pipeline if replica == 0 else 0):  # 1. the first replica: a value several ranks hold
         names = sorted(n for n, r in owners.items() if r == src and len(holders[n]) > 1)
         if not names:
             continue
@@ -50,7 +51,7 @@ def broadcast_startup_state(devices: Devices, plan: Plan) -> None:
                 process)
         _store(devices, plan, got)
     if plan.dp_degree > 1:  # 2. every replica: the first replica's (its tied copies now their owners')
-        held, first = state_dict(devices, plan), process < pipeline
+        held, first = state_dict(devices, plan), replica == 0
         got = channel.replica_broadcast(held if first else None)
         _agreed(channel, "replicas", None if first else _mismatch(got, held, f"rank {me} of the first replica"),
                 process)

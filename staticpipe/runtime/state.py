@@ -90,16 +90,17 @@ def gathered_state_dict(devices: Devices, plan: Plan, step: int) -> dict[str, np
     if devices.world is None:
         return state
     rank, pipeline = devices.world[0], len(plan.ranks)
+    replica = plan.place_of_process(rank)[0]
     channel, key = devices.channel_for(plan), ("state", step)
-    if plan.sharding_degree > 1 and rank < pipeline * plan.sharding_degree:  # ZeRO-1: the first group's shards
+    if plan.sharding_degree > 1 and replica < plan.sharding_degree:  # ZeRO-1: the first group's shards
         sharded = {n for st in devices.local_stages(plan) for n in st.state_shards}
         pooled = channel.shard_exchange({n: v for n, v in state.items() if n in sharded})
-        state.update(pooled if rank < pipeline else {})
+        state.update(pooled if replica == 0 else {})
     if rank == 0:
         for peer in range(1, pipeline):
             state.update(channel.recv(key, next(s.index for s in plan.stages if s.rank == peer)))
         return state
-    if rank < pipeline:
+    if replica == 0:
         channel.send(key, state, 0)
         channel.flush()
     return None

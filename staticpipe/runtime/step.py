@@ -256,7 +256,7 @@ class StepRunner:
             raise ValueError(f"{what} size {size} is not divisible by dp_degree={plan.dp_degree} (each {what} is "
                              f"split among the replicas; feed a multiple of {plan.dp_degree}, or build with "
                              "replica_batches='own' to feed each replica its own batches, as Paddle's fleet does)")
-        return split_microbatches(batch, plan.dp_degree)[self.devices.world[0] // len(plan.ranks)]
+        return split_microbatches(batch, plan.dp_degree)[plan.place_of_process(self.devices.world[0])[0]]
 
     def _replica_value(self, plan: Plan, name: str, value: np.ndarray | list) -> np.ndarray | list:
         """A fetched value over the whole global batch from the replicas' (equal slices): their mean for a

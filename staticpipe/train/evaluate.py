@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence
 
 from .._paddle import framework, np
-from ..ir import as_float, program_view, var_names
-from ..plan import attach_plan, plan_of
+from ..ir import as_float, is_pir_program, program_view, var_names
+from ..plan import Plan, attach_plan, plan_of
 from ..rewrite import build_forward_plan
 
 
@@ -20,12 +20,7 @@ def evaluate(exe: Runner, program: framework.Program, dataset: Any, fetch_list: 
              num_microbatches: int = 1, like: framework.Program | None = None) -> list[np.ndarray | None]:
     """See ``Executor.evaluate``."""
     if plan_of(program) is None:  # rewritten once; the plan stays on the program
-        trained = plan_of(like) if like is not None else None
-        chunked = trained is not None and len(trained.stages) > len(trained.ranks)
-        attach_plan(build_forward_plan(program, num_microbatches, chunked,
-                                       dp_degree=trained.dp_degree if trained is not None else 1,
-                                       replica_batches=trained.replica_batches if trained is not None else "split"),
-                    program)
+        plan_like(program, plan_of(like) if like is not None else None, num_microbatches)
     names = var_names(fetch_list, program)
     dtypes = [program_view(program).global_block()._var_recursive(n).dtype for n in names]
     kinds = [plan_of(program).reduction(n) for n in names]
@@ -42,6 +37,24 @@ def evaluate(exe: Runner, program: framework.Program, dataset: Any, fetch_list: 
         raise ValueError("the evaluation data set gave no batch")
     return [None if t is None else t / samples if k == "mean" else t  # None: computed by another process
             for t, k in zip(totals, kinds)]
+
+
+def plan_like(program: framework.Program, trained: Plan | None, num_microbatches: int = 1) -> Plan:
+    """Plan evaluation ``program`` as a forward-only pipeline following ``trained``'s chunking and
+    replicas, and attach the plan to it."""
+    chunked = trained is not None and len(trained.stages) > len(trained.ranks)
+    plan = build_forward_plan(program, num_microbatches, chunked, dp_degree=trained.dp_degree if trained else 1,
+                              replica_batches=trained.replica_batches if trained is not None else "split")
+    attach_plan(plan, program)
+    return plan
+
+
+def is_clone_of(program: framework.Program, trained: Plan) -> bool:
+    """Whether ``program`` (without a plan) is an evaluation program of ``trained``: it reads state the
+    trained stages hold (``main.clone(for_test=True)``, or the forward network built again)."""
+    names = ([p.name for p in program.global_block().all_parameters()] if is_pir_program(program)
+             else [v.name for v in program.list_vars() if v.persistable])
+    return any(trained.stage_of_var(name) for name in names)
 
 
 def _combined(total: Any, value: Any, kind: str) -> Any:

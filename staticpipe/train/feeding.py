@@ -92,3 +92,18 @@ def take_step(loader: Any, num_microbatches: int) -> list[Batch]:
                     f"{num_microbatches}: they were not trained on; call loader.reset()") from None
             raise
     return group
+
+
+def one_feed(feed: dict | list | tuple | None) -> dict:
+    """Paddle's feed forms for one device: a dict, or a list holding one dict per place."""
+    if isinstance(feed, (list, tuple)):
+        if len(feed) != 1:
+            raise ValueError(f"a list feed holds one dict per place; a pipeline takes one global batch, got a list of "
+                             f"{len(feed)}: pass one dict (or Executor.step(program, micro-batches))")
+        feed = feed[0]
+    if feed is None:
+        return {}
+    if not isinstance(feed, dict):
+        raise ValueError(f"feed must be a dict {{data variable name: array}} (or a list holding one), got "
+                         f"{type(feed).__name__}")
+    return feed

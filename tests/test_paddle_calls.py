@@ -1,0 +1,104 @@
+"""Paddle's calls that read or write ``global_scope()`` without the executor, on a pipelined program
+(``checkpoint.front_paddle_calls``), and an evaluation clone run by ``exe.run`` in a launched job.
+
+- ``paddle.static.set_program_state`` and ``paddle.static.load`` (with or without an executor) would write a
+  ``global_scope()`` no stage reads: refused, before and after ``exe.flush()``, naming what to use, and
+  the stages keep their state;
+- ``paddle.static.save`` writes ``global_scope()``: refused before any flush and once the stages changed
+  since the last flush, naming ``exe.flush()``; right after a flush it writes the current state;
+- launched (pp=2): ``exe.run(main.clone(for_test=True), feed=...)`` gives the single-device evaluation
+  of the trained state on the rank computing it, as ``exe.evaluate`` runs it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from pipeline_util import launch_script
+from test_paddle_io import BATCH, STEPS, assert_same, one_device, pipeline
+
+from staticpipe._paddle import paddle
+from staticpipe.checkpoint import LOAD, SAVE, SET_PROGRAM_STATE
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_set_program_state_and_load_are_refused_naming_what_restores_a_pipeline(tmp_path, program_ir):
+    net, _, exe = pipeline()
+    state = exe.state_dict(net.main)
+    other = {n: v + 1 for n, v in state.items()}
+    with paddle.static.scope_guard(paddle.static.Scope()):
+        for flushed in (False, True):
+            if flushed:
+                assert exe.flush()
+            with pytest.raises(RuntimeError) as e:
+                paddle.static.set_program_state(net.main, other)
+            assert str(e.value) == SET_PROGRAM_STATE
+            for args in ((), (exe,)):
+                with pytest.raises(RuntimeError) as e:
+                    paddle.static.load(net.main, str(tmp_path / "model"), *args)
+                assert str(e.value) == LOAD
+            assert_same(exe.state_dict(net.main), state, "after the refused calls")
+    assert "exe.set_state_dict(program, state_dict)" in SET_PROGRAM_STATE and "staticpipe.load(program" in LOAD
+
+
+def test_paddle_static_save_is_refused_unless_the_last_flush_holds_the_current_state(tmp_path, program_ir):
+    net, _, exe = pipeline()
+    path = str(tmp_path / "model")
+    with paddle.static.scope_guard(paddle.static.Scope()):
+        with pytest.raises(RuntimeError) as e:
+            paddle.static.save(net.main, path)
+        assert str(e.value) == SAVE.format(path=path, why="no staticpipe.Executor flushed this pipelined "
+                                                            "program's state there")
+        assert exe.flush()
+        exe.run(net.main, feed=net.random_batch(BATCH, seed=STEPS), fetch_list=[net.loss])  # a step after it
+        with pytest.raises(RuntimeError, match=r"writes what paddle.static.global_scope\(\) holds, not the stages "
+                                               r"of a pipelined program, and the stages changed since the last "
+                                               r"exe.flush\(\) \("):
+            paddle.static.save(net.main, path)
+        assert not os.path.exists(path + ".pdparams")
+        assert exe.flush()
+        try:
+            paddle.static.save(net.main, path)
+        except ValueError as e:  # PIR: the state is written, then the device guards are refused (test_paddle_io)
+            assert program_ir == "pir" and "op_device" in str(e)
+    assert_same(dict(paddle.static.load_program_state(path)), exe.state_dict(net.main), "saved after the flush")
+
+
+SCRIPT = """
+import os, sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+import staticpipe
+from test_paddle_io import BATCH, build
+out = {out!r}
+net, test = build()
+exe = staticpipe.Executor()
+exe.run(net.startup)
+for step in range(2):
+    exe.run(net.main, feed=net.random_batch(BATCH, seed=step), fetch_list=[net.loss])
+gathered = exe.gathered_state_dict(net.main)
+if gathered is not None:
+    np.savez(os.path.join(out, "trained.npz"), **gathered)
+batch = net.random_batch(BATCH, seed=9)
+for run in range(2):  # the clone's plan is made once, and it sees the state of every step
+    logits, = exe.run(test.main, feed=batch, fetch_list=[test.outputs["logits"]])
+    if logits is not None:
+        np.save(os.path.join(out, f"eval_{{run}}_rank{{os.environ['PADDLE_TRAINER_ID']}}.npy"), logits)
+exe.close()
+"""
+
+
+def test_launched_exe_run_of_the_evaluation_clone_gives_the_single_device_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launch_script(tmp_path, SCRIPT, 2)
+    ref, ref_test, ref_exe, ref_scope = one_device(dict(np.load(tmp_path / "trained.npz")))
+    with paddle.static.scope_guard(ref_scope):
+        want, = ref_exe.run(ref_test.main, feed=ref.random_batch(BATCH, seed=9),
+                            fetch_list=[ref_test.outputs["logits"]])
+    got = sorted(p for p in os.listdir(tmp_path) if p.startswith("eval_"))
+    assert got == ["eval_0_rank1.npy", "eval_1_rank1.npy"]  # the last stage's rank computes the logits
+    for name in got:
+        np.testing.assert_allclose(np.load(tmp_path / name), want, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert np.abs(want).max() > 0
