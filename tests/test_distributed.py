@@ -291,3 +291,34 @@ def test_point_to_point_groups_only_for_the_pairs_a_plan_sends_on():
     plan = staticpipe.plan_of(gpt.main)
     assert plan.shared and (0, 3) in plan.rank_pairs() and (3, 0) in plan.rank_pairs()
     assert len(plan.rank_pairs()) == 9  # the MLP's 8 and the tied embedding's new value, rank 0 -> 3
+
+
+def test_a_message_that_never_comes_is_named_when_gloos_receive_times_out(monkeypatch):
+    """gloo ends a receive nobody answers after its timeout with its own words ("... TIMEOUT self_rank = none
+    pair_rank = -1 ..."), which name neither the message nor the rank: a checkpoint line only rank 0 runs
+    (``if rank == 0: save_persistables(...)``) ended a launched job so. The channel says which message it
+    waited for, from which stage and rank, and the likely causes. (The channel is made without a job: its
+    receive is what is under test.)"""
+    from staticpipe.runtime.distributed import DistributedChannel
+
+    channel = DistributedChannel.__new__(DistributedChannel)
+    channel.rank, channel.stage_ranks, channel._box = 0, [0, 1], {}
+    channel._send_error = channel._aborted = None
+
+    def timed_out(src):
+        raise RuntimeError("[/paddle/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:83] TIMEOUT self_rank = "
+                           "none pair_rank = -1 peer_str = none")
+    monkeypatch.setattr(channel, "_receive_one", timed_out)
+    with pytest.raises(RuntimeError) as err:
+        channel.recv(("state", 3), 1)
+    assert str(err.value) == (
+        "rank 0 waited 0 s for message ('state', 3) from stage 1 (rank 1) and none came: rank 1 failed, is that much "
+        "slower, or is elsewhere in the script (a call every rank makes -- staticpipe.save, exe.flush, Paddle's "
+        "save_persistables or save_inference_model on a pipelined program -- made on some ranks only?)")
+    assert "TIMEOUT" in str(err.value.__cause__)
+
+    def other(src):
+        raise RuntimeError("connection reset by peer")
+    monkeypatch.setattr(channel, "_receive_one", other)
+    with pytest.raises(RuntimeError, match=r"^connection reset by peer$"):  # other errors pass as they are
+        channel.recv(("state", 3), 1)

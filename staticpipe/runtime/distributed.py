@@ -37,6 +37,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from typing import Any, Hashable
 
 import numpy as np
@@ -143,9 +144,19 @@ class DistributedChannel(Channel):
         wanted = repr(key)
         if src == self.rank and (src, wanted) not in self._box:
             raise RuntimeError(f"message {key} from stage {src_stage} of this process was never sent")
+        started = time.monotonic()
         while (src, wanted) not in self._box:
             self._check()
-            got_key, message = self._receive_one(src)
+            try:
+                got_key, message = self._receive_one(src)
+            except RuntimeError as exc:  # gloo's own words name neither the message nor the rank
+                if "TIMEOUT" not in str(exc):
+                    raise
+                raise RuntimeError(
+                    f"rank {self.rank} waited {time.monotonic() - started:.0f} s for message {key} from stage "
+                    f"{src_stage} (rank {src}) and none came: rank {src} failed, is that much slower, or is elsewhere "
+                    "in the script (a call every rank makes -- staticpipe.save, exe.flush, Paddle's save_persistables "
+                    "or save_inference_model on a pipelined program -- made on some ranks only?)") from exc
             self._box[(src, got_key)] = message
         return self._box.pop((src, wanted))
 
