@@ -300,8 +300,12 @@ def _set_program_state(original: Any, program: Any, state_dict: Any, *args: Any,
 
 
 def _load(original: Any, program: Any, model_path: Any, executor: Any = None, *args: Any, **kwargs: Any) -> Any:
-    if plan_of(program) is not None or not (executor is None or isinstance(executor, paddle.static.Executor)):
+    if plan_of(program) is not None:
         raise RuntimeError(LOAD)
+    if not (executor is None or isinstance(executor, paddle.static.Executor)):  # Paddle asserts it, wordlessly
+        raise TypeError(f"paddle.static.load(program, path, executor) takes Paddle's own executor "
+                        f"(paddle.static.Executor), got {type(executor).__module__}.{type(executor).__name__}: for "
+                        "a program a staticpipe.Executor pipelines, use staticpipe.load(program, dir, exe)")
     return original(program, model_path, executor, *args, **kwargs)
 
 

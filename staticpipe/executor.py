@@ -239,7 +239,8 @@ class Executor:
             else:
                 twin = clone_with_split_points(program, for_test=True)
             attach_plan(build_forward_plan(twin, plan.num_microbatches, len(plan.stages) > len(plan.ranks),
-                                           dp_degree=plan.dp_degree, replica_batches=plan.replica_batches), twin)
+                                           dp_degree=plan.dp_degree, replica_batches=plan.replica_batches,
+                                           sharding_degree=plan.sharding_degree), twin)
             self._forward_twins[plan] = twin
         return self._forward_twins[plan]
 

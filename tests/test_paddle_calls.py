@@ -18,6 +18,7 @@ import pytest
 from pipeline_util import launch_script
 from test_paddle_io import BATCH, STEPS, assert_same, one_device, pipeline
 
+import staticpipe
 from staticpipe._paddle import paddle
 from staticpipe.checkpoint import LOAD, SAVE, SET_PROGRAM_STATE
 
@@ -102,3 +103,82 @@ def test_launched_exe_run_of_the_evaluation_clone_gives_the_single_device_values
     for name in got:
         np.testing.assert_allclose(np.load(tmp_path / name), want, rtol=1e-6, atol=1e-7, err_msg=name)
     assert np.abs(want).max() > 0
+
+
+SHARDED = """
+import os, sys
+sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+import staticpipe
+from test_paddle_io import BATCH, build
+out = {out!r}
+net, test = build(dp=2, sharding=2)  # ZeRO-1: fleet's process layout, which the evaluation must follow
+exe = staticpipe.Executor()
+exe.run(net.startup)
+for step in range(2):
+    exe.run(net.main, feed=net.random_batch(BATCH, seed=step), fetch_list=[net.loss])
+gathered = exe.gathered_state_dict(net.main)
+if gathered is not None:
+    np.savez(os.path.join(out, "trained.npz"), **gathered)
+loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+loader.set_sample_generator(net.sample_reader(16, seed=9), batch_size=8)
+loss, = exe.evaluate(test.main, loader, [test.loss], like=net.main)
+if loss is not None:
+    np.save(os.path.join(out, f"loss_rank{{os.environ['PADDLE_TRAINER_ID']}}.npy"), loss)
+exe.close()
+"""
+
+
+def test_launched_evaluation_follows_the_sharded_process_layout(tmp_path, monkeypatch):
+    """pp 2 x 2 replicas sharing their optimizer state (4 processes, fleet's layout: process 1 is stage 0 of
+    the second replica): the evaluation's forward-only plan lays the processes out as training does (it
+    ran each rank on the other rank's stages, which it had no values for), and gives one device's loss."""
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    launch_script(tmp_path, SHARDED, 4)
+    ref, ref_test, ref_exe, ref_scope = one_device(dict(np.load(tmp_path / "trained.npz")))
+    with paddle.static.scope_guard(ref_scope):
+        want, = ref_exe.run(ref_test.main, feed=ref.random_batch(16, seed=9), fetch_list=[ref_test.loss])
+    got = sorted(p for p in os.listdir(tmp_path) if p.startswith("loss_"))
+    assert got == ["loss_rank2.npy", "loss_rank3.npy"]  # the last stage's ranks: g // 2 % 2 == 1
+    for name in got:
+        np.testing.assert_allclose(np.load(tmp_path / name), want, rtol=1e-6, err_msg=name)
+
+
+def test_paddle_static_save_after_a_flush_of_a_closed_executor_of_an_evaluation_clone_and_of_a_nan(
+        tmp_path, program_ir):
+    """Saves the flush covers are not refused: the evaluation clone's program (its forward-only plan holds
+    no state: the training plan's flush counts), after the flushing executor is closed (nothing can change
+    since), and a state holding a NaN (equal to itself there)."""
+    net, test, exe = pipeline()
+    loader = staticpipe.io.DataLoader.from_generator(feed_list=net.feeds, iterable=True)
+    loader.set_sample_generator(net.sample_reader(8), batch_size=8)
+    exe.evaluate(test.main, loader, [test.loss], like=net.main)  # the clone now has a plan of its own
+    name = sorted(exe.state_dict(net.main))[0]
+    exe.set_state_dict(net.main, {name: np.full_like(exe.state_dict(net.main)[name], np.nan)})
+    with paddle.static.scope_guard(paddle.static.Scope()):
+        assert exe.flush()
+        state = exe.state_dict(net.main)
+        saves = [(test.main, str(tmp_path / "clone")), (net.main, str(tmp_path / "nan"))]
+        if program_ir == "legacy":  # PIR: Paddle refuses the device guards after writing (test_paddle_io)
+            for program, path in saves:
+                paddle.static.save(program, path)
+            exe.close()
+            paddle.static.save(net.main, str(tmp_path / "closed"))
+            assert_same(dict(paddle.static.load_program_state(str(tmp_path / "closed"))), state, "after close")
+            assert np.isnan(paddle.static.load_program_state(str(tmp_path / "nan"))[name]).all()
+        else:
+            from staticpipe.runtime.paddle_io import stale
+            assert [stale(staticpipe.plan_of(p), paddle.static.global_scope()) for p, _ in saves] == [None, None]
+            exe.close()
+            assert stale(staticpipe.plan_of(net.main), paddle.static.global_scope()) is None
+
+
+def test_paddle_static_load_with_a_staticpipe_executor_on_a_plain_program_names_paddles_executor(tmp_path):
+    net, _, exe = pipeline()
+    plain = paddle.static.Program()
+    with pytest.raises(TypeError) as e:
+        paddle.static.load(plain, str(tmp_path / "model"), exe)
+    assert str(e.value) == ("paddle.static.load(program, path, executor) takes Paddle's own executor "
+                            "(paddle.static.Executor), got staticpipe.executor.Executor: for a program a "
+                            "staticpipe.Executor pipelines, use staticpipe.load(program, dir, exe)")
+

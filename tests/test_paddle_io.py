@@ -39,13 +39,14 @@ pytestmark = pytest.mark.timeout(300)
 STEPS, BATCH = 2, 8
 
 
-def build(seed: int = 1, guarded: bool = True, dp: int = 1):
+def build(seed: int = 1, guarded: bool = True, dp: int = 1, sharding: int = 1):
     """The network minimized with Adam (a 2-stage pipeline when ``guarded``) and its evaluation program: the
     clone taken before minimize (PIR, which has none: built again in test mode, ``evaluation_net``)."""
     builder = partial(build_mlp, num_stages=2, guarded=guarded, in_dim=8, hidden=16, depth=2, seed=seed)
     net = builder()
     test = evaluation_net(net, builder)
-    minimize(net, paddle.optimizer.Adam(0.01), dict(num_microbatches=2, dp_degree=dp) if guarded else None)
+    minimize(net, paddle.optimizer.Adam(0.01),
+             dict(num_microbatches=2, dp_degree=dp, sharding_degree=sharding) if guarded else None)
     return net, test
 
 

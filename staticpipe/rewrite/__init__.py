@@ -136,10 +136,11 @@ def check_layout(program: framework.Program, options: PlanOptions) -> tuple[Stag
 
 def build_forward_plan(program: framework.Program, num_microbatches: int = 1, chunked: bool = False,
                        micro_batch_size: int | None = None, dp_degree: int = 1,
-                       replica_batches: str = "split") -> Plan:
+                       replica_batches: str = "split", sharding_degree: int = 1) -> Plan:
     """A forward-only plan for an evaluation program (``main.clone(for_test=True)`` taken before
     ``minimize``): the same stages as training, every rank running its forwards micro-batch by
-    micro-batch. ``chunked``, ``dp_degree`` and ``replica_batches`` must match the training plan's."""
+    micro-batch. ``chunked``, ``dp_degree``, ``replica_batches`` and ``sharding_degree`` must match the
+    training plan's (launched, the last lays the processes out: ``plan.process_of``)."""
     options = PlanOptions(num_microbatches, micro_batch_size=micro_batch_size, dp_degree=dp_degree,
                           replica_batches=replica_batches)
     if is_pir_program(program):  # read through a view, which also names the values a fetch list gives
@@ -158,7 +159,7 @@ def build_forward_plan(program: framework.Program, num_microbatches: int = 1, ch
                 actions=lower(compute, routes), ranks=tuple(ranks), data_vars=data_vars,
                 data_specs=_data_specs(program, data_vars, num_microbatches), loss="", producers=producers,
                 micro_batch_size=micro_batch_size, dp_degree=options.dp_degree, replica_batches=replica_batches,
-                reductions=_reductions(program, assignment))
+                reductions=_reductions(program, assignment), sharding_degree=sharding_degree)
 
 
 def _reductions(program: framework.Program, assignment: StageAssignment) -> dict[str, str]:

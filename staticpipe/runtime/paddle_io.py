@@ -29,7 +29,7 @@ from typing import Any
 
 from .._paddle import core, framework, np, paddle
 from ..ir import free_scope, is_pir_program
-from ..plan import Plan
+from ..plan import FORWARD_ONLY, Plan
 from . import state
 from .devices import Devices
 
@@ -64,7 +64,11 @@ _FLUSHED: Any = weakref.WeakKeyDictionary()  # plan -> (the scope its last flush
 
 def stale(plan: Plan, scope: Any) -> str | None:
     """Why ``scope`` (``global_scope()``, what ``paddle.static.save`` reads) does not hold ``plan``'s current
-    state, as far as this process can tell; None when it does."""
+    state, as far as this process can tell; None when it does. An evaluation program's forward-only plan
+    holds no state of its own: the flush of a training plan whose stages hold its values counts."""
+    if plan.schedule == FORWARD_ONLY:
+        names = {n for st in plan.stages for n in st.persistables}
+        plan = next((p for p in list(_FLUSHED.keys()) if any(p.stage_of_var(n) for n in names)), plan)
     flushed, devices = _FLUSHED.get(plan, (None, None))
     if devices is None:
         return "no staticpipe.Executor flushed this pipelined program's state there"
@@ -73,10 +77,10 @@ def stale(plan: Plan, scope: Any) -> str | None:
                 "the whole model; call paddle.static.save where exe.flush() returned True")
     if flushed() is not scope:
         return "exe.flush() wrote this program's state into another scope than the current global_scope()"
-    if devices() is None or not devices().workers:
-        return "the executor that flushed this program's state was closed"
-    differ = [n for n, v in state.state_dict(devices(), plan).items()
-              if (found := scope.find_var(n)) is None or not np.array_equal(np.array(found.get_tensor()), v)]
+    if devices() is None or not devices().workers:  # closed since: nothing can have changed since the flush
+        return None
+    differ = [n for n, v in state.state_dict(devices(), plan).items() if (found := scope.find_var(n)) is None
+              or np.array(found.get_tensor()).tobytes() != np.ascontiguousarray(v).tobytes()]  # NaN too
     return f"the stages changed since the last exe.flush() ({', '.join(differ[:3])}, ...)" if differ else None
 
 

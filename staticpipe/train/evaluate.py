@@ -5,6 +5,7 @@ from typing import Any, Protocol, Sequence
 
 from .._paddle import framework, np
 from ..ir import as_float, is_pir_program, program_view, var_names
+from ..placement import op_device
 from ..plan import Plan, attach_plan, plan_of
 from ..rewrite import build_forward_plan
 
@@ -44,17 +45,29 @@ def plan_like(program: framework.Program, trained: Plan | None, num_microbatches
     replicas, and attach the plan to it."""
     chunked = trained is not None and len(trained.stages) > len(trained.ranks)
     plan = build_forward_plan(program, num_microbatches, chunked, dp_degree=trained.dp_degree if trained else 1,
-                              replica_batches=trained.replica_batches if trained is not None else "split")
+                              replica_batches=trained.replica_batches if trained is not None else "split",
+                              sharding_degree=trained.sharding_degree if trained is not None else 1)
     attach_plan(plan, program)
     return plan
 
 
 def is_clone_of(program: framework.Program, trained: Plan) -> bool:
-    """Whether ``program`` (without a plan) is an evaluation program of ``trained``: it reads state the
-    trained stages hold (``main.clone(for_test=True)``, or the forward network built again)."""
-    names = ([p.name for p in program.global_block().all_parameters()] if is_pir_program(program)
-             else [v.name for v in program.list_vars() if v.persistable])
-    return any(trained.stage_of_var(name) for name in names)
+    """Whether ``program`` (without a plan) is an evaluation program of ``trained``
+    (``main.clone(for_test=True)``, or the forward network built again in the same device guards): its ops
+    are placed on ``trained``'s devices, it is fed through data variables ``trained`` is fed through, and
+    it reads state the trained stages hold. A startup program (no data), a network built without the
+    guards, Paddle's save and load programs are not: they run as plain Paddle."""
+    ops = list(program.global_block().ops)
+    devices = {op_device(op) for op in ops} - {None}
+    if not devices or not devices <= set(trained.ranks):
+        return False
+    if is_pir_program(program):
+        data = {op.attrs()["name"] for op in ops if op.name() == "pd_op.data"}
+        names = [p.name for p in program.global_block().all_parameters()]
+    else:
+        data = {v.name for v in program.list_vars() if getattr(v, "is_data", False)}
+        names = [v.name for v in program.list_vars() if v.persistable]
+    return bool(data & set(trained.data_vars)) and any(trained.stage_of_var(name) for name in names)
 
 
 def _combined(total: Any, value: Any, kind: str) -> Any:
