@@ -65,10 +65,16 @@ _FLUSHED: Any = weakref.WeakKeyDictionary()  # plan -> (the scope its last flush
 def stale(plan: Plan, scope: Any) -> str | None:
     """Why ``scope`` (``global_scope()``, what ``paddle.static.save`` reads) does not hold ``plan``'s current
     state, as far as this process can tell; None when it does. An evaluation program's forward-only plan
-    holds no state of its own: the flush of a training plan whose stages hold its values counts."""
+    holds no state of its own: the flush of a training plan whose stages hold its values counts (of
+    several such plans -- other executors', other programs built alike -- the one whose flush holds)."""
     if plan.schedule == FORWARD_ONLY:
         names = {n for st in plan.stages for n in st.persistables}
-        plan = next((p for p in list(_FLUSHED.keys()) if any(p.stage_of_var(n) for n in names)), plan)
+        why = [_stale(p, scope) for p in list(_FLUSHED.keys()) if any(p.stage_of_var(n) for n in names)]
+        return None if None in why else why[0] if why else _stale(plan, scope)
+    return _stale(plan, scope)
+
+
+def _stale(plan: Plan, scope: Any) -> str | None:
     flushed, devices = _FLUSHED.get(plan, (None, None))
     if devices is None:
         return "no staticpipe.Executor flushed this pipelined program's state there"
