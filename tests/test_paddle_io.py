@@ -227,6 +227,17 @@ def test_a_save_program_naming_state_no_stage_holds_is_refused_naming_it(tmp_pat
         dio.save_persistables(exe, str(tmp_path / "x"), stranger)
 
 
+# a launched script's first lines after it builds ``net``: two steps, and the state they trained in trained.npz
+TRAINED = """
+exe = staticpipe.Executor()
+exe.run(net.startup)
+for step in range(2):
+    exe.run(net.main, feed=net.random_batch(BATCH, seed=step), fetch_list=[net.loss])
+gathered = exe.gathered_state_dict(net.main)
+if gathered is not None:
+    np.savez(os.path.join(out, "trained.npz"), **gathered)
+"""
+
 SCRIPT = """
 import os, sys
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
@@ -237,14 +248,7 @@ from staticpipe._paddle import paddle
 from test_paddle_io import BATCH, build, paddle_pipeline_opt
 rank, out, dp = int(os.environ["PADDLE_TRAINER_ID"]), {out!r}, int(os.environ["DP"])
 net, _ = build(dp=dp)
-exe = staticpipe.Executor()
-exe.run(net.startup)
-for step in range(2):
-    exe.run(net.main, feed=net.random_batch(BATCH, seed=step), fetch_list=[net.loss])
-gathered = exe.gathered_state_dict(net.main)
-if gathered is not None:
-    np.savez(os.path.join(out, "trained.npz"), **gathered)
-dio.save_persistables(exe, os.path.join(out, "vars"), net.main)
+""" + TRAINED + """dio.save_persistables(exe, os.path.join(out, "vars"), net.main)
 dio.save_persistables(exe, os.path.join(out, "comb"), net.main, filename="all")
 if exe.flush():  # rank 0: the whole model
     paddle.static.save(net.main, os.path.join(out, "static", "model"))
